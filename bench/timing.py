@@ -1,0 +1,57 @@
+"""GPU timing shared by the benchmarks: events, L2 flushed, median of many runs."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+_L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+
+
+class Timer:
+    def __init__(self):
+        self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def kernel_us(self, fn, reps: int = 100, warmup: int = 5) -> float:
+        """Median device time of fn() in µs, each run after an L2 flush."""
+        for _ in range(warmup):
+            fn()
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for s, e in zip(starts, ends):
+            self._flush.zero_()
+            s.record()
+            fn()
+            e.record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+    def graph_us(self, fn, reps: int = 100) -> float:
+        """Median device time of fn() captured in a CUDA graph (no launch gaps), L2 flushed."""
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return self.kernel_us(graph.replay, reps)
+
+    def copy_bandwidth_gbs(self, nbytes: int = 2 << 30) -> float:
+        """Device-to-device copy bandwidth, bytes read + written."""
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+        dst = torch.empty_like(src)
+        us = self.kernel_us(lambda: dst.copy_(src), reps=30)
+        return 2 * nbytes / us / 1e3
+
+
+def host_us_per_call(fn, calls: int = 2000) -> float:
+    """Mean wall time of an eager call on the host (the GPU queue keeps up for small problems)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6

@@ -1,0 +1,369 @@
+"""Typed Python API over ``torch.ops.cute_moe.*``.
+
+Every function here is a thin call of the custom op of the same name (so it
+traces under ``torch.compile(fullgraph=True)`` and works in CUDA graphs); the op
+validates its inputs and raises ``TypeError`` / ``ValueError`` naming the
+argument. Arguments with a default are keyword-only.
+
+Conventions: FP8 is ``torch.float8_e4m3fn`` (max 448). Activation scales are
+f32, one per row per 128 columns, logical shape ``[rows, K/128]``; the
+producers feeding the GEMM (``permute_quant``, ``permute``, ``silu_mul_quant``)
+return them MN-major, i.e. with strides ``(1, rows)``. Index tensors are int32
+with ``-1`` for "padding row" / "expert not local". ``M_cap`` is the static row
+bound ``round_up(T*k + min(T*k, E_local)*(alignment-1), alignment)`` (0 when
+T == 0), see :func:`cute_moe.reference.m_cap`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Optional, TypeVar
+
+import torch
+from torch import Tensor
+
+import cute_moe.ops  # noqa: F401  (registers torch.ops.cute_moe.*)
+
+__all__ = [
+    "align",
+    "fill_kv_cache_fp8",
+    "finalize",
+    "fused_moe",
+    "fused_moe_routed",
+    "grouped_gemm_fp8",
+    "moe_reduce",
+    "permute",
+    "permute_quant",
+    "quant_fp8",
+    "route",
+    "silu_mul_quant",
+]
+
+_ops = torch.ops.cute_moe
+_F = TypeVar("_F", bound=Callable[..., object])
+
+
+def _api(fn: _F) -> _F:
+    """Re-raise the dispatcher's schema type errors (a RuntimeError) as ``TypeError``.
+
+    ``torch.ops`` checks the Python type of every argument against the op schema
+    before our validation runs and raises ``RuntimeError("cute_moe::<op>() Expected a
+    value of type 'int' for argument 'group_size' ...")``; the functional API turns
+    that into ``TypeError("cute_moe.<op>: ...")``, like the rest of the validation.
+    Only the error path pays for this.
+    """
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as e:
+            msg = str(e)
+            if msg.startswith(f"cute_moe::{name}() Expected a value of type"):
+                first = msg.split("\n", 1)[0].removeprefix(f"cute_moe::{name}() ")
+                raise TypeError(f"cute_moe.{name}: {first}") from e
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+@_api
+def quant_fp8(
+    x: Tensor, *, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
+) -> tuple[Tensor, Tensor]:
+    """Per-token-group FP8 quantization.
+
+    Args:
+        x: ``[M, K]`` bf16, fp16 or f32, last dim contiguous.
+        group_size: columns per scale; must divide K.
+        scale_fmt: ``None`` (scale = amax/448) or ``"ue8m0"`` (scale rounded up to a power of two,
+            still stored as f32).
+        column_major_scales: return the scales MN-major (strides ``(1, M)``) instead of row-major.
+
+    Returns:
+        ``(q, scale)``: q ``[M, K]`` float8_e4m3fn, scale ``[M, K/group_size]`` f32.
+    """
+    return _ops.quant_fp8(x, group_size, scale_fmt, column_major_scales)
+
+
+@_api
+def route(
+    router_logits: Tensor,
+    top_k: int,
+    method: str,
+    *,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Top-k expert routing (all math in f32; ties go to the lower expert id).
+
+    Args:
+        router_logits: ``[T, E]`` f32 or bf16.
+        top_k: experts per token, ``1 <= top_k <= E``.
+        method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
+        score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.
+        n_group, topk_group: grouped top-k (``deepseek_v3`` only; 1 otherwise). ``E % n_group == 0``,
+            ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
+        routed_scaling_factor: multiplies the final weights (every method).
+
+    Returns:
+        ``(topk_ids, topk_weights)``: int32 ``[T, top_k]`` and f32 ``[T, top_k]``, each row in
+        descending selection score.
+    """
+    return _ops.route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+
+
+@_api
+def align(
+    topk_ids: Tensor,
+    num_experts: int,
+    *,
+    alignment: int = 128,
+    expert_offset: int = 0,
+    num_local_experts: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Group the (token, slot) pairs by local expert into row segments padded to ``alignment``.
+
+    Args:
+        topk_ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)`` (not checked on the
+            device: out-of-range ids are undefined behaviour in the kernels).
+        num_experts: global expert count.
+        alignment: row alignment of each expert segment (the GEMM's tile M).
+        expert_offset, num_local_experts: this rank owns experts
+            ``[expert_offset, expert_offset + E_local)``; ``E_local = num_local_experts or num_experts``.
+
+    Returns:
+        ``(expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], expert_counts [E_local])``,
+        all int32. Rows are assigned in ascending ``t*k + j`` order within a segment; unused rows hold -1.
+    """
+    return _ops.align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
+
+
+@_api
+def permute_quant(
+    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, *, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    """Gather token rows into expert order and quantize them to FP8 (1x128 groups).
+
+    Args:
+        x: ``[T, H]`` bf16 or fp16, ``H % 128 == 0``.
+        row_to_token: ``[M_cap]`` int32 from :func:`align`.
+        expert_offsets: ``[E_local+1]`` int32 from :func:`align`.
+        scale_fmt: ``None`` or ``"ue8m0"``.
+
+    Returns:
+        ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
+        Padding rows inside a segment are zero codes; rows ``>= expert_offsets[-1]`` are unspecified.
+    """
+    return _ops.permute_quant(x, row_to_token, expert_offsets, scale_fmt)
+
+
+@_api
+def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """Gather already-quantized rows (and their scales) into expert order.
+
+    Args:
+        a_in: ``[T, H]`` float8_e4m3fn, ``H % 128 == 0``.
+        a_in_scale: ``[T, H/128]`` f32, any strides.
+        row_to_token, expert_offsets: from :func:`align`.
+
+    Returns:
+        ``(a [M_cap, H] fp8, a_scale [M_cap, H/128] f32 MN-major)``; padding rows get codes 0 and scale 1.0.
+    """
+    return _ops.permute(a_in, a_in_scale, row_to_token, expert_offsets)
+
+
+@_api
+def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
+    """Grouped FP8 GEMM with DeepSeek-V3 block scales: ``C[rows of e] = A @ B[e]^T``.
+
+    Args:
+        a: ``[M_cap, K]`` float8_e4m3fn, ``K % 128 == 0``.
+        a_scale: ``[M_cap, K/128]`` f32 (1x128 blocks), any strides (MN-major is the fast path).
+        b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
+        b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks).
+        expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])``.
+
+    Returns:
+        ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified.
+    """
+    return _ops.grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
+
+
+@_api
+def silu_mul_quant(
+    h: Tensor, expert_offsets: Tensor, *, gate_first: bool = True, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    """SwiGLU ``silu(gate) * up`` in f32, re-quantized to FP8 (1x128 groups).
+
+    Args:
+        h: ``[M_cap, 2I]`` bf16, ``I % 128 == 0``.
+        expert_offsets: ``[E+1]`` int32.
+        gate_first: ``True``: gate = ``h[:, :I]``, up = ``h[:, I:]``; ``False``: up first (FlashInfer order).
+        scale_fmt: ``None`` or ``"ue8m0"``.
+
+    Returns:
+        ``(a2 [M_cap, I] fp8, a2_scale [M_cap, I/128] f32 MN-major)``; rows ``>= expert_offsets[-1]`` unspecified.
+    """
+    return _ops.silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
+
+
+@_api
+def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
+    """Weighted un-permute: ``out[t] = bf16(sum_j w[t, j] * y[token_to_row[t, j]])``, f32, j in order.
+
+    Args:
+        y: ``[M_cap, H]`` bf16 (the second GEMM's output).
+        topk_weights: ``[T, k]`` f32.
+        token_to_row: ``[T, k]`` int32; ``-1`` entries contribute nothing.
+
+    Returns:
+        ``out``: ``[T, H]`` bf16. Deterministic (no atomics).
+    """
+    return _ops.finalize(y, topk_weights, token_to_row)
+
+
+@_api
+def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Tensor:
+    """lmdeploy-compatible weighted reduce ``out[t] = sum_j weights[t, j] * hidden[t, j]``.
+
+    Args:
+        hidden: ``[T, k, H]`` bf16, fp16 or f32.
+        weights: ``[T, k]`` f32.
+        fp32_acc: accumulate in f32 (else in hidden's dtype on the GPU; the CPU reference always
+            accumulates in f32).
+
+    Returns:
+        ``out``: ``[T, H]`` in hidden's dtype.
+    """
+    return _ops.moe_reduce(hidden, weights, fp32_acc)
+
+
+@_api
+def fused_moe_routed(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    *,
+    expert_offset: int = 0,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> Tensor:
+    """A whole FP8 MoE layer from precomputed top-k:
+    align -> permute_quant -> grouped_gemm_fp8(w13) -> silu_mul_quant -> grouped_gemm_fp8(w2) -> finalize.
+
+    Args:
+        x: ``[T, H]`` bf16, ``H % 128 == 0``.
+        topk_ids: ``[T, k]`` int32 global expert ids; ids outside
+            ``[expert_offset, expert_offset + E_local)`` are not local and contribute nothing.
+        topk_weights: ``[T, k]`` f32.
+        w13: ``[E_local, 2I, H]`` float8_e4m3fn (gate rows first when ``gate_first``), ``I % 128 == 0``.
+        w13_scale: ``[E_local, 2I/128, H/128]`` f32.
+        w2: ``[E_local, H, I]`` float8_e4m3fn.
+        w2_scale: ``[E_local, H/128, I/128]`` f32.
+        expert_offset: first global expert id owned by this rank.
+        gate_first: half order of w13's output (see :func:`silu_mul_quant`).
+        act_scale_fmt: scale format of the activation quantizations (``None`` or ``"ue8m0"``).
+
+    Returns:
+        ``out``: ``[T, H]`` bf16.
+    """
+    return _ops.fused_moe_routed(
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt
+    )
+
+
+@_api
+def fused_moe(
+    x: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    top_k: int,
+    routing_method: str,
+    *,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    expert_offset: int = 0,
+    num_experts: Optional[int] = None,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> Tensor:
+    """A whole FP8 MoE layer from router logits: :func:`route` then :func:`fused_moe_routed`.
+
+    Args:
+        x: ``[T, H]`` bf16.
+        router_logits: ``[T, E_global]`` f32 or bf16.
+        w13, w13_scale, w2, w2_scale: the local experts' weights, see :func:`fused_moe_routed`.
+        top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor: see :func:`route`.
+        expert_offset: this rank owns experts ``[expert_offset, expert_offset + E_local)``, which must lie
+            inside ``[0, E_global)``.
+        num_experts: global expert count; defaults to ``router_logits.shape[1]`` and must equal it if given.
+        gate_first, act_scale_fmt: see :func:`fused_moe_routed`.
+
+    Returns:
+        ``out``: ``[T, H]`` bf16.
+    """
+    return _ops.fused_moe(
+        x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
+        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt,
+    )  # fmt: skip
+
+
+@_api
+def fill_kv_cache_fp8(
+    k_states: Tensor,
+    v_states: Optional[Tensor],
+    k_cache: Tensor,
+    v_cache: Optional[Tensor],
+    k_scale_cache: Tensor,
+    v_scale_cache: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    kv_seqlens: Tensor,
+    block_offsets: Tensor,
+    *,
+    group_size: int = 128,
+    scale_fmt: Optional[str] = None,
+    layout: str = "bshd",
+) -> None:
+    """Quantize new K (and V) states into a paged FP8 cache, in place.
+
+    Token j of sequence b (global token ``cu_seqlens_q[b] + j``) goes to position
+    ``pos = kv_seqlens[b] - q_len_b + j``: block ``block_offsets[b, pos // block_size]``,
+    slot ``pos % block_size``; quantized per (token, head, group of ``group_size`` columns).
+
+    Args:
+        k_states: ``[N_tok, H_kv, D]`` bf16, fp16 or f32.
+        v_states: ``[N_tok, H_kv, Dv]`` (same dtype) or ``None`` (K-only cache, e.g. MLA).
+        k_cache: float8_e4m3fn, ``[num_blocks, block_size, H_kv, D]`` (``"bshd"``) or
+            ``[num_blocks, H_kv, block_size, D]`` (``"bhsd"``). Mutated.
+        v_cache: same with Dv, or ``None``. Mutated.
+        k_scale_cache, v_scale_cache: f32, the cache layout with last dim ``D/group_size``. Mutated.
+        cu_seqlens_q: ``[B+1]`` int32 prefix sums of the new tokens per sequence (``[-1] == N_tok``,
+            not checked).
+        kv_seqlens: ``[B]`` int32 sequence lengths including the new tokens.
+        block_offsets: ``[B, max_blocks]`` int32 block table.
+        group_size: must divide D (and Dv).
+        scale_fmt: ``None`` or ``"ue8m0"``.
+        layout: ``"bshd"`` or ``"bhsd"``.
+
+    ``v_states``, ``v_cache`` and ``v_scale_cache`` are all None or all tensors.
+    """
+    _ops.fill_kv_cache_fp8(
+        k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
+        group_size, scale_fmt, layout,
+    )  # fmt: skip

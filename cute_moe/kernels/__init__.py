@@ -1,0 +1,11 @@
+"""CuTe DSL kernels, one module per op family.
+
+Each module imports ``cutlass`` at import time, so it is imported lazily: by an
+op's CUDA implementation on first use, or by ``python -m cute_moe.inspect``.
+``KERNEL_MODULES`` maps an op name to the module holding its kernel(s); every
+such module exposes ``inspect_variants(arch) -> [(name, compiled_fn)]``.
+"""
+
+KERNEL_MODULES = {
+    "quant_fp8": "cute_moe.kernels.quant_fp8",
+}

@@ -1,0 +1,445 @@
+"""The ``torch.ops.cute_moe.*`` custom ops.
+
+Each op has
+
+* a CPU implementation: input validation, then the pure-PyTorch reference
+  (``cute_moe.reference.<op>_ref``), so every op runs on a machine with no GPU;
+* a CUDA implementation: input validation, then the CuTe DSL kernel. Ops whose
+  kernel has not landed raise ``NotImplementedError`` -- never a silent fallback
+  to the reference;
+* a fake (meta) implementation that computes every output shape and stride
+  statically (it names only the arguments it needs: the dispatcher passes the caller's
+  arguments positionally, but leaves out trailing ones left at their default,
+  so a fake must repeat the defaults of the arguments it reads) (``M_cap`` from ``reference.m_cap``, which works on SymInts), so
+  ``torch.compile(fullgraph=True, dynamic=True)`` and CUDA graphs work.
+
+``fused_moe`` and ``fused_moe_routed`` have one device-generic implementation
+that composes the other ``torch.ops.cute_moe`` ops, so they run on CPU and use
+each CUDA kernel as it lands.
+
+Validation only reads metadata (never tensor data), and never runs in the fake
+implementations. Importing this module neither imports ``cutlass`` nor
+initialises CUDA: kernels are imported lazily inside the CUDA implementations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from cute_moe import reference as R
+from cute_moe import validation as V
+
+__all__ = [
+    "align",
+    "fill_kv_cache_fp8",
+    "finalize",
+    "fused_moe",
+    "fused_moe_routed",
+    "grouped_gemm_fp8",
+    "moe_reduce",
+    "permute",
+    "permute_quant",
+    "quant_fp8",
+    "route",
+    "silu_mul_quant",
+]
+
+_NS = "cute_moe"
+_FP8 = V.FP8_DTYPE
+_G = V.ACT_GROUP_SIZE
+_MOE_ALIGNMENT = 128  # row alignment fused_moe(_routed) uses for align()
+# fused_moe_routed gets global expert ids but not the global expert count; any id
+# >= expert_offset + E_local is simply "not local", so it passes this bound to align.
+_INT32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+
+
+def _empty_mn_major(like: Tensor, rows: Any, cols: Any) -> Tensor:
+    """f32 [rows, cols] with strides (1, rows): the MN-major ("column-major") scale layout."""
+    return like.new_empty((cols, rows), dtype=torch.float32).t()
+
+
+def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
+    if mn_major:
+        return _empty_mn_major(like, rows, cols)
+    return like.new_empty((rows, cols), dtype=torch.float32)
+
+
+def _as_scales(s: Tensor, mn_major: bool) -> Tensor:
+    """``s`` in the layout the fake implementation promises (a copy only when needed)."""
+    out = _empty_scales(s, s.shape[0], s.shape[1], mn_major)
+    if out.stride() == s.stride():
+        return s
+    return out.copy_(s)
+
+
+def _no_cuda_kernel(opdef: Any, name: str, validate: Callable[..., None]) -> None:
+    """Register a CUDA implementation that validates, then says plainly there is no kernel."""
+
+    def cuda_impl(*args: Any, **kwargs: Any) -> Any:
+        validate(*args, **kwargs)
+        raise NotImplementedError(f"cute_moe.{name}: no CUDA kernel yet")
+
+    cuda_impl.__name__ = f"{name}_cuda"
+    opdef.register_kernel("cuda", cuda_impl)
+
+
+# ----------------------------------------------------------------------------
+# quant_fp8
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::quant_fp8", mutates_args=(), device_types="cpu")
+def quant_fp8(
+    x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
+) -> tuple[Tensor, Tensor]:
+    V.validate_quant_fp8(x, group_size, scale_fmt, column_major_scales)
+    q, s = R.quant_fp8_ref(x, group_size, scale_fmt, column_major_scales)
+    return q.contiguous(), _as_scales(s, column_major_scales)
+
+
+@quant_fp8.register_kernel("cuda")
+def _quant_fp8_cuda(
+    x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
+) -> tuple[Tensor, Tensor]:
+    V.validate_quant_fp8(x, group_size, scale_fmt, column_major_scales)
+    from cute_moe.kernels.quant_fp8 import quant_fp8_cuda
+
+    return quant_fp8_cuda(x, group_size, scale_fmt, column_major_scales)
+
+
+@quant_fp8.register_fake
+def _quant_fp8_fake(
+    x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
+) -> tuple[Tensor, Tensor]:
+    M, K = x.shape
+    return x.new_empty((M, K), dtype=_FP8), _empty_scales(x, M, K // group_size, column_major_scales)
+
+
+# ----------------------------------------------------------------------------
+# route
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::route", mutates_args=(), device_types="cpu")
+def route(
+    router_logits: Tensor,
+    top_k: int,
+    method: str,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    ids, w = R.route_ref(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    return ids.contiguous(), w.contiguous()
+
+
+_no_cuda_kernel(route, "route", V.validate_route)
+
+
+@route.register_fake
+def _route_fake(router_logits: Tensor, top_k: int, *_: Any) -> tuple[Tensor, Tensor]:
+    T = router_logits.shape[0]
+    return (
+        router_logits.new_empty((T, top_k), dtype=torch.int32),
+        router_logits.new_empty((T, top_k), dtype=torch.float32),
+    )
+
+
+# ----------------------------------------------------------------------------
+# align
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::align", mutates_args=(), device_types="cpu")
+def align(
+    topk_ids: Tensor,
+    num_experts: int,
+    alignment: int = 128,
+    expert_offset: int = 0,
+    num_local_experts: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    V.validate_align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
+    outs = R.align_ref(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
+    return tuple(o.contiguous() for o in outs)  # type: ignore[return-value]
+
+
+_no_cuda_kernel(align, "align", V.validate_align)
+
+
+@align.register_fake
+def _align_fake(
+    topk_ids: Tensor,
+    num_experts: int,
+    alignment: int = 128,
+    expert_offset: int = 0,
+    num_local_experts: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    T, k = topk_ids.shape
+    e_local = num_experts if num_local_experts is None else num_local_experts
+    m_cap = R.m_cap(T, k, e_local, alignment)
+    new = topk_ids.new_empty
+    return (
+        new((e_local + 1,), dtype=torch.int32),
+        new((m_cap,), dtype=torch.int32),
+        new((T, k), dtype=torch.int32),
+        new((e_local,), dtype=torch.int32),
+    )
+
+
+# ----------------------------------------------------------------------------
+# permute_quant / permute
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::permute_quant", mutates_args=(), device_types="cpu")
+def permute_quant(
+    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt)
+    a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt)
+    return a.contiguous(), _as_scales(s, True)
+
+
+_no_cuda_kernel(permute_quant, "permute_quant", V.validate_permute_quant)
+
+
+def _permuted_fake(like: Tensor, row_to_token: Tensor) -> tuple[Tensor, Tensor]:
+    m_cap, H = row_to_token.shape[0], like.shape[1]
+    return like.new_empty((m_cap, H), dtype=_FP8), _empty_mn_major(like, m_cap, H // _G)
+
+
+@permute_quant.register_fake
+def _permute_quant_fake(x: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    return _permuted_fake(x, row_to_token)
+
+
+@torch.library.custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
+def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
+    V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
+    a, s = R.permute_ref(a_in, a_in_scale, row_to_token, expert_offsets)
+    return a.contiguous(), _as_scales(s, True)
+
+
+_no_cuda_kernel(permute, "permute", V.validate_permute)
+
+
+@permute.register_fake
+def _permute_fake(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    return _permuted_fake(a_in, row_to_token)
+
+
+# ----------------------------------------------------------------------------
+# grouped_gemm_fp8
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::grouped_gemm_fp8", mutates_args=(), device_types="cpu")
+def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
+    return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets).contiguous()
+
+
+_no_cuda_kernel(grouped_gemm_fp8, "grouped_gemm_fp8", V.validate_grouped_gemm_fp8)
+
+
+@grouped_gemm_fp8.register_fake
+def _grouped_gemm_fp8_fake(a: Tensor, a_scale: Tensor, b: Tensor, *_: Any) -> Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------
+# silu_mul_quant
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::silu_mul_quant", mutates_args=(), device_types="cpu")
+def silu_mul_quant(
+    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
+    a2, s = R.silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt)
+    return a2.contiguous(), _as_scales(s, True)
+
+
+_no_cuda_kernel(silu_mul_quant, "silu_mul_quant", V.validate_silu_mul_quant)
+
+
+@silu_mul_quant.register_fake
+def _silu_mul_quant_fake(h: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    m_cap, inter = h.shape[0], h.shape[1] // 2
+    return h.new_empty((m_cap, inter), dtype=_FP8), _empty_mn_major(h, m_cap, inter // _G)
+
+
+# ----------------------------------------------------------------------------
+# finalize / moe_reduce
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
+def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
+    V.validate_finalize(y, topk_weights, token_to_row)
+    return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
+
+
+_no_cuda_kernel(finalize, "finalize", V.validate_finalize)
+
+
+@finalize.register_fake
+def _finalize_fake(y: Tensor, topk_weights: Tensor, *_: Any) -> Tensor:
+    return y.new_empty((topk_weights.shape[0], y.shape[1]), dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::moe_reduce", mutates_args=(), device_types="cpu")
+def moe_reduce(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tensor:
+    V.validate_moe_reduce(hidden, weights, fp32_acc)
+    return R.moe_reduce_ref(hidden, weights, fp32_acc).contiguous()
+
+
+_no_cuda_kernel(moe_reduce, "moe_reduce", V.validate_moe_reduce)
+
+
+@moe_reduce.register_fake
+def _moe_reduce_fake(hidden: Tensor, *_: Any) -> Tensor:
+    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+
+
+# ----------------------------------------------------------------------------
+# fused_moe_routed / fused_moe: one device-generic composition of the ops above
+# ----------------------------------------------------------------------------
+
+
+def _moe_from_topk(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    num_experts: int,
+    expert_offset: int,
+    gate_first: bool,
+    act_scale_fmt: Optional[str],
+) -> Tensor:
+    ops = torch.ops.cute_moe
+    e_local = w13.shape[0]
+    offsets, row_to_token, token_to_row, _ = ops.align(topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local)
+    a, a_scale = ops.permute_quant(x, row_to_token, offsets, act_scale_fmt)
+    h = ops.grouped_gemm_fp8(a, a_scale, w13, w13_scale, offsets)
+    a2, a2_scale = ops.silu_mul_quant(h, offsets, gate_first, act_scale_fmt)
+    y = ops.grouped_gemm_fp8(a2, a2_scale, w2, w2_scale, offsets)
+    return ops.finalize(y, topk_weights, token_to_row)
+
+
+@torch.library.custom_op(f"{_NS}::fused_moe_routed", mutates_args=())
+def fused_moe_routed(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    expert_offset: int = 0,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> Tensor:
+    V.validate_fused_moe_routed(
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt
+    )
+    return _moe_from_topk(
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _INT32_MAX, expert_offset, gate_first, act_scale_fmt
+    )
+
+
+@fused_moe_routed.register_fake
+def _fused_moe_routed_fake(x: Tensor, *_: Any) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+@torch.library.custom_op(f"{_NS}::fused_moe", mutates_args=())
+def fused_moe(
+    x: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    top_k: int,
+    routing_method: str,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    expert_offset: int = 0,
+    num_experts: Optional[int] = None,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> Tensor:
+    V.validate_fused_moe(
+        x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
+        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt,
+    )  # fmt: skip
+    ids, w = torch.ops.cute_moe.route(
+        router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor
+    )
+    e_global = router_logits.shape[1]
+    return _moe_from_topk(x, ids, w, w13, w13_scale, w2, w2_scale, e_global, expert_offset, gate_first, act_scale_fmt)
+
+
+@fused_moe.register_fake
+def _fused_moe_fake(x: Tensor, *_: Any) -> Tensor:
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------
+# fill_kv_cache_fp8 (mutates the caches)
+# ----------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    f"{_NS}::fill_kv_cache_fp8",
+    mutates_args=("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"),
+    device_types="cpu",
+)
+def fill_kv_cache_fp8(
+    k_states: Tensor,
+    v_states: Optional[Tensor],
+    k_cache: Tensor,
+    v_cache: Optional[Tensor],
+    k_scale_cache: Tensor,
+    v_scale_cache: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    kv_seqlens: Tensor,
+    block_offsets: Tensor,
+    group_size: int = 128,
+    scale_fmt: Optional[str] = None,
+    layout: str = "bshd",
+) -> None:
+    V.validate_fill_kv_cache_fp8(
+        k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
+        group_size, scale_fmt, layout,
+    )  # fmt: skip
+    R.fill_kv_cache_fp8_ref(
+        k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
+        group_size, scale_fmt, layout,
+    )  # fmt: skip
+
+
+_no_cuda_kernel(fill_kv_cache_fp8, "fill_kv_cache_fp8", V.validate_fill_kv_cache_fp8)
+
+
+@fill_kv_cache_fp8.register_fake
+def _fill_kv_cache_fp8_fake(*_: Any) -> None:
+    return None

@@ -1,0 +1,654 @@
+"""Input validation shared by every ``cute_moe`` op.
+
+Every check raises before any kernel runs, with a message of the form
+``"cute_moe.<op>: <argument> <rule>, got <value>"``:
+
+* ``TypeError`` -- an argument of the wrong Python type, or a tensor of the
+  wrong dtype;
+* ``ValueError`` -- everything else (shapes, ranges, devices, strides,
+  alignment, unknown option strings).
+
+The checks look at metadata only: dtype, shape, strides, device and (for CUDA
+tensors) ``data_ptr()``. They never read tensor contents, so they never
+synchronise the device and are safe inside CUDA graph capture. Rules that
+need data (expert ids inside ``[0, num_experts)``, ``cu_seqlens_q[-1] ==
+N_tok``, ...) cannot be checked here; the ops document them instead.
+
+The checks are meant for real tensors; the ops call them from their CPU and
+CUDA implementations, never from their fake (meta) implementations.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from typing import Any, NoReturn, Optional
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "ACT_GROUP_SIZE",
+    "FP8_DTYPE",
+    "KV_LAYOUTS",
+    "ROUTING_METHODS",
+    "SCALE_FMTS",
+    "check_aligned_16",
+    "check_bool",
+    "check_choice",
+    "check_divisible",
+    "check_dtype",
+    "check_float",
+    "check_int",
+    "check_last_dim_contiguous",
+    "check_ndim",
+    "check_same_device",
+    "check_scale_fmt",
+    "check_shape",
+    "check_tensor",
+    "validate_align",
+    "validate_fill_kv_cache_fp8",
+    "validate_finalize",
+    "validate_fused_moe",
+    "validate_fused_moe_routed",
+    "validate_grouped_gemm_fp8",
+    "validate_moe_reduce",
+    "validate_permute",
+    "validate_permute_quant",
+    "validate_quant_fp8",
+    "validate_route",
+    "validate_silu_mul_quant",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+ACT_GROUP_SIZE = 128  # activation / weight scale block along K (and N for weights)
+SCALE_FMTS = (None, "ue8m0")
+ROUTING_METHODS = ("softmax", "renormalize", "deepseek_v3", "llama4", "sigmoid_renorm")
+KV_LAYOUTS = ("bshd", "bhsd")
+
+_FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
+_HALF_ACT = (torch.bfloat16, torch.float16)
+_INDEX = (torch.int32,)
+
+
+def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
+    raise exc(f"cute_moe.{op}: {msg}")
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ----------------------------------------------------------------------------
+# Composable checks
+# ----------------------------------------------------------------------------
+
+
+def check_tensor(op: str, name: str, t: Any, *, optional: bool = False) -> bool:
+    """TypeError unless ``t`` is a Tensor (or None when ``optional``). Returns ``t is not None``."""
+    if t is None and optional:
+        return False
+    if not isinstance(t, Tensor):
+        want = "a torch.Tensor or None" if optional else "a torch.Tensor"
+        _fail(op, f"{name} must be {want}, got {type(t).__name__}", TypeError)
+    return True
+
+
+def check_dtype(op: str, name: str, t: Tensor, dtypes: torch.dtype | Sequence[torch.dtype]) -> None:
+    """TypeError unless ``t.dtype`` is one of ``dtypes``."""
+    allowed = (dtypes,) if isinstance(dtypes, torch.dtype) else tuple(dtypes)
+    if t.dtype not in allowed:
+        want = _dtype_name(allowed[0]) if len(allowed) == 1 else "one of " + ", ".join(map(_dtype_name, allowed))
+        _fail(op, f"{name} must be {want}, got {t.dtype}", TypeError)
+
+
+def check_ndim(op: str, name: str, t: Tensor, ndim: int, what: str = "") -> None:
+    """ValueError unless ``t`` has ``ndim`` dimensions; ``what`` names them, e.g. ``"[T, H]"``."""
+    if t.dim() != ndim:
+        desc = f" {what}" if what else ""
+        _fail(op, f"{name} must be {ndim}-D{desc}, got shape {_shape(t)}")
+
+
+def check_shape(op: str, name: str, t: Tensor, expected: Sequence[Optional[int]], what: str = "") -> None:
+    """ValueError unless ``t.shape`` matches ``expected`` (None = any size); ``what`` is the symbolic shape."""
+    ok = t.dim() == len(expected) and all(e is None or s == e for s, e in zip(t.shape, expected))
+    if not ok:
+        exp = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        desc = f"{what} = {exp}" if what else exp
+        _fail(op, f"{name} must have shape {desc}, got {_shape(t)}")
+
+
+def check_same_device(op: str, **tensors: Optional[Tensor]) -> None:
+    """ValueError unless every non-None tensor is on the device of the first one."""
+    first: Optional[tuple[str, Tensor]] = None
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if first is None:
+            first = (name, t)
+        elif t.device != first[1].device:
+            _fail(op, f"all tensors must be on one device: {first[0]} is on {first[1].device}, {name} is on {t.device}")
+
+
+def check_divisible(op: str, what: str, value: int, divisor: int, divisor_what: str = "") -> None:
+    """ValueError unless ``divisor`` divides ``value``; ``what`` describes ``value`` (e.g. ``"K (x.shape[1])"``)."""
+    if value % divisor != 0:
+        dw = f"{divisor_what} = {divisor}" if divisor_what else str(divisor)
+        _fail(op, f"{what} must be divisible by {dw}, got {value}")
+
+
+def check_last_dim_contiguous(op: str, name: str, t: Tensor) -> None:
+    """ValueError unless the last dimension has stride 1 (any stride is fine for a size-1 or empty tensor)."""
+    if t.dim() == 0 or t.numel() == 0 or t.shape[-1] == 1:
+        return
+    if t.stride(-1) != 1:
+        _fail(op, f"{name} must have a contiguous last dimension (stride(-1) == 1), got strides {tuple(t.stride())}")
+
+
+def _is_fake(t: Tensor) -> bool:
+    if t.device.type == "meta":
+        return True
+    from torch._subclasses.fake_tensor import is_fake  # cheap, torch is already imported
+
+    return is_fake(t)
+
+
+def check_aligned_16(op: str, name: str, t: Tensor, *, strides: bool = False) -> None:
+    """For CUDA tensors only: ValueError unless ``data_ptr()`` is 16-byte aligned (TMA requirement).
+
+    With ``strides=True`` also every stride of a dimension of size > 1, other than a unit
+    stride, must be a multiple of 16 bytes. CPU, meta and fake tensors are not checked.
+    """
+    if t.device.type != "cuda" or t.numel() == 0 or _is_fake(t):
+        return
+    if t.data_ptr() % 16 != 0:
+        _fail(
+            op,
+            f"{name} must be 16-byte aligned (data_ptr() % 16 == 0) on CUDA, got data_ptr() % 16 == {t.data_ptr() % 16}",
+        )
+    if strides:
+        item = t.element_size()
+        for d in range(t.dim()):
+            s = t.stride(d)
+            if t.shape[d] > 1 and s != 1 and (s * item) % 16 != 0:
+                _fail(
+                    op,
+                    f"{name} strides must be multiples of 16 bytes on CUDA (TMA), got stride({d}) = {s} elements of {item} bytes",
+                )
+
+
+def check_int(
+    op: str, name: str, v: Any, *, min: Optional[int] = None, max: Optional[int] = None, max_what: str = ""
+) -> None:
+    """TypeError unless ``v`` is an int (not bool); ValueError unless ``min <= v <= max``."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        _fail(op, f"{name} must be an int, got {type(v).__name__}", TypeError)
+    if min is not None and v < min:
+        _fail(op, f"{name} must be >= {min}, got {v}")
+    if max is not None and v > max:
+        mw = f"{max_what} = {max}" if max_what else str(max)
+        _fail(op, f"{name} must be <= {mw}, got {v}")
+
+
+def check_bool(op: str, name: str, v: Any) -> None:
+    if not isinstance(v, bool):
+        _fail(op, f"{name} must be a bool, got {type(v).__name__}", TypeError)
+
+
+def check_float(op: str, name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        _fail(op, f"{name} must be a float, got {type(v).__name__}", TypeError)
+
+
+def check_choice(op: str, name: str, v: Any, choices: Sequence[Any]) -> None:
+    """ValueError unless ``v`` is one of ``choices``."""
+    if not any(v is c if c is None else (isinstance(v, str) and v == c) for c in choices):
+        opts = ", ".join(repr(c) for c in choices)
+        _fail(op, f"{name} must be one of {opts}, got {v!r}")
+
+
+def check_scale_fmt(op: str, name: str, v: Any) -> None:
+    check_choice(op, name, v, SCALE_FMTS)
+
+
+def _tensor(
+    op: str,
+    name: str,
+    t: Any,
+    dtypes: torch.dtype | Sequence[torch.dtype],
+    ndim: int,
+    what: str = "",
+    *,
+    last_dim_contiguous: bool = True,
+    tma: bool = False,
+) -> None:
+    """The checks every tensor argument gets: type, dtype, ndim, strides, CUDA alignment."""
+    check_tensor(op, name, t)
+    check_dtype(op, name, t, dtypes)
+    check_ndim(op, name, t, ndim, what)
+    if last_dim_contiguous:
+        check_last_dim_contiguous(op, name, t)
+    check_aligned_16(op, name, t, strides=tma)
+
+
+def _offsets(op: str, name: str, t: Any, num: Optional[int] = None, num_what: str = "") -> int:
+    """expert_offsets: int32 1-D with at least 2 entries (E + 1, E >= 1). Returns E."""
+    _tensor(op, name, t, _INDEX, 1, "[E + 1]")
+    if t.shape[0] < 2:
+        _fail(op, f"{name} must have E + 1 >= 2 entries, got shape {_shape(t)}")
+    if num is not None and t.shape[0] != num + 1:
+        _fail(op, f"{name} must have shape [E + 1] = [{num + 1}] ({num_what} = {num}), got {_shape(t)}")
+    return t.shape[0] - 1
+
+
+# ----------------------------------------------------------------------------
+# One validate_<op> per op; the signatures mirror the ops'.
+# ----------------------------------------------------------------------------
+
+
+def validate_quant_fp8(
+    x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
+) -> None:
+    op = "quant_fp8"
+    _tensor(op, "x", x, _FLOAT_ACT, 2, "[M, K]")
+    check_int(op, "group_size", group_size, min=1)
+    check_divisible(op, "K (x.shape[1])", x.shape[1], group_size, "group_size")
+    check_scale_fmt(op, "scale_fmt", scale_fmt)
+    check_bool(op, "column_major_scales", column_major_scales)
+
+
+def _check_routing(
+    op: str,
+    router_logits: Tensor,
+    top_k: int,
+    method: str,
+    score_bias: Optional[Tensor],
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    method_name: str,
+) -> None:
+    _tensor(op, "router_logits", router_logits, (torch.float32, torch.bfloat16), 2, "[T, E]")
+    E = router_logits.shape[1]
+    if E < 1:
+        _fail(op, f"router_logits must have at least one expert column, got shape {_shape(router_logits)}")
+    check_choice(op, method_name, method, ROUTING_METHODS)
+    check_int(op, "top_k", top_k, min=1, max=E, max_what="num_experts (router_logits.shape[1])")
+    check_int(op, "n_group", n_group, min=1)
+    check_int(op, "topk_group", topk_group, min=1)
+    check_float(op, "routed_scaling_factor", routed_scaling_factor)
+    if check_tensor(op, "score_bias", score_bias, optional=True):
+        if method != "deepseek_v3":
+            _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
+        _tensor(op, "score_bias", score_bias, torch.float32, 1, "[E]")
+        check_shape(op, "score_bias", score_bias, (E,), "[E]")
+    if method != "deepseek_v3":
+        if n_group != 1 or topk_group != 1:
+            _fail(
+                op,
+                f"n_group and topk_group must be 1 unless {method_name}='deepseek_v3', "
+                f"got n_group={n_group}, topk_group={topk_group} with {method_name}={method!r}",
+            )
+        return
+    check_divisible(op, "num_experts (router_logits.shape[1])", E, n_group, "n_group")
+    check_int(op, "topk_group", topk_group, max=n_group, max_what="n_group")
+    check_int(op, "top_k", top_k, max=topk_group * (E // n_group), max_what="topk_group * (num_experts / n_group)")
+
+
+def validate_route(
+    router_logits: Tensor,
+    top_k: int,
+    method: str,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> None:
+    op = "route"
+    _check_routing(op, router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor, "method")
+    check_same_device(op, router_logits=router_logits, score_bias=score_bias)
+
+
+def _check_expert_range(
+    op: str, expert_offset: int, e_local: int, num_experts: int, e_local_what: str, num_what: str
+) -> None:
+    check_int(op, "expert_offset", expert_offset, min=0)
+    if expert_offset + e_local > num_experts:
+        _fail(
+            op,
+            f"expert_offset + {e_local_what} must be <= {num_what}, got {expert_offset} + {e_local} > {num_experts}",
+        )
+
+
+def validate_align(
+    topk_ids: Tensor,
+    num_experts: int,
+    alignment: int = 128,
+    expert_offset: int = 0,
+    num_local_experts: Optional[int] = None,
+) -> None:
+    op = "align"
+    _tensor(op, "topk_ids", topk_ids, _INDEX, 2, "[T, k]")
+    check_int(op, "num_experts", num_experts, min=1)
+    check_int(op, "alignment", alignment, min=1)
+    if num_local_experts is not None:
+        check_int(op, "num_local_experts", num_local_experts, min=1)
+    e_local = num_experts if num_local_experts is None else num_local_experts
+    _check_expert_range(op, expert_offset, e_local, num_experts, "num_local_experts", "num_experts")
+    if topk_ids.shape[1] > num_experts:
+        _fail(op, f"top_k (topk_ids.shape[1]) must be <= num_experts = {num_experts}, got {topk_ids.shape[1]}")
+
+
+def _check_permute_maps(op: str, row_to_token: Tensor, expert_offsets: Tensor) -> None:
+    _tensor(op, "row_to_token", row_to_token, _INDEX, 1, "[M_cap]")
+    _offsets(op, "expert_offsets", expert_offsets)
+
+
+def validate_permute_quant(
+    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+) -> None:
+    op = "permute_quant"
+    _tensor(op, "x", x, _HALF_ACT, 2, "[T, H]")
+    check_divisible(op, "H (x.shape[1])", x.shape[1], ACT_GROUP_SIZE)
+    _check_permute_maps(op, row_to_token, expert_offsets)
+    check_scale_fmt(op, "scale_fmt", scale_fmt)
+    check_same_device(op, x=x, row_to_token=row_to_token, expert_offsets=expert_offsets)
+
+
+def validate_permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> None:
+    op = "permute"
+    _tensor(op, "a_in", a_in, FP8_DTYPE, 2, "[T, H]")
+    T, H = a_in.shape
+    check_divisible(op, "H (a_in.shape[1])", H, ACT_GROUP_SIZE)
+    _tensor(op, "a_in_scale", a_in_scale, torch.float32, 2, "[T, H/128]", last_dim_contiguous=False)
+    check_shape(op, "a_in_scale", a_in_scale, (T, H // ACT_GROUP_SIZE), "[T, H/128]")
+    _check_permute_maps(op, row_to_token, expert_offsets)
+    check_same_device(op, a_in=a_in, a_in_scale=a_in_scale, row_to_token=row_to_token, expert_offsets=expert_offsets)
+
+
+def _check_gemm(
+    op: str,
+    a: Optional[Tensor],
+    a_scale: Optional[Tensor],
+    b: Tensor,
+    b_scale: Tensor,
+    names: tuple[str, str, str, str],
+    K: Optional[int] = None,
+    N: Optional[int] = None,
+    E: Optional[int] = None,
+) -> tuple[int, int, int]:
+    """The B operand (and A when given) of a grouped GEMM. Returns (E, N, K)."""
+    an, asn, bn, bsn = names
+    if a is not None:
+        _tensor(op, an, a, FP8_DTYPE, 2, "[M, K]", tma=True)
+    _tensor(op, bn, b, FP8_DTYPE, 3, "[E, N, K]", tma=True)
+    Eb, Nb, Kb = b.shape
+    if a is not None and a.shape[1] != Kb:
+        _fail(op, f"{an}.shape[1] (K = {a.shape[1]}) must equal {bn}.shape[2] (K = {Kb})")
+    for want, got, what in ((E, Eb, "E"), (N, Nb, "N"), (K, Kb, "K")):
+        if want is not None and want != got:
+            _fail(op, f"{bn} must have {what} = {want}, got shape {_shape(b)}")
+    check_divisible(op, f"K ({bn}.shape[2])", Kb, ACT_GROUP_SIZE)
+    check_divisible(op, f"N ({bn}.shape[1])", Nb, 8)
+    if a is not None:
+        assert a_scale is not None
+        _tensor(op, asn, a_scale, torch.float32, 2, "[M, K/128]", last_dim_contiguous=False)
+        check_shape(op, asn, a_scale, (a.shape[0], Kb // ACT_GROUP_SIZE), "[M, K/128]")
+    _tensor(op, bsn, b_scale, torch.float32, 3, "[E, ceil(N/128), K/128]", last_dim_contiguous=False)
+    check_shape(op, bsn, b_scale, (Eb, _cdiv(Nb, ACT_GROUP_SIZE), Kb // ACT_GROUP_SIZE), "[E, ceil(N/128), K/128]")
+    return Eb, Nb, Kb
+
+
+def validate_grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> None:
+    op = "grouped_gemm_fp8"
+    E, _, _ = _check_gemm(op, a, a_scale, b, b_scale, ("a", "a_scale", "b", "b_scale"))
+    _offsets(op, "expert_offsets", expert_offsets, E, "E = b.shape[0]")
+    check_same_device(op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, expert_offsets=expert_offsets)
+
+
+def validate_silu_mul_quant(
+    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+) -> None:
+    op = "silu_mul_quant"
+    _tensor(op, "h", h, torch.bfloat16, 2, "[M, 2I]")
+    if h.shape[1] % (2 * ACT_GROUP_SIZE) != 0:
+        _fail(op, f"h.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {h.shape[1]}")
+    _offsets(op, "expert_offsets", expert_offsets)
+    check_bool(op, "gate_first", gate_first)
+    check_scale_fmt(op, "scale_fmt", scale_fmt)
+    check_same_device(op, h=h, expert_offsets=expert_offsets)
+
+
+def _check_topk_pair(op: str, weights: Tensor, ids: Tensor, w_name: str, i_name: str, T: Optional[int] = None) -> None:
+    _tensor(op, w_name, weights, torch.float32, 2, "[T, k]")
+    _tensor(op, i_name, ids, _INDEX, 2, "[T, k]")
+    check_shape(op, i_name, ids, tuple(weights.shape), f"[T, k] (the shape of {w_name})")
+    if T is not None and weights.shape[0] != T:
+        _fail(op, f"{w_name}.shape[0] must equal the number of tokens T = {T}, got {weights.shape[0]}")
+
+
+def validate_finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> None:
+    op = "finalize"
+    _tensor(op, "y", y, torch.bfloat16, 2, "[M_cap, H]")
+    _check_topk_pair(op, topk_weights, token_to_row, "topk_weights", "token_to_row")
+    check_same_device(op, y=y, topk_weights=topk_weights, token_to_row=token_to_row)
+
+
+def validate_moe_reduce(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> None:
+    op = "moe_reduce"
+    _tensor(op, "hidden", hidden, _FLOAT_ACT, 3, "[T, k, H]")
+    _tensor(op, "weights", weights, torch.float32, 2, "[T, k]")
+    check_shape(op, "weights", weights, tuple(hidden.shape[:2]), "[T, k] (hidden.shape[:2])")
+    check_bool(op, "fp32_acc", fp32_acc)
+    check_same_device(op, hidden=hidden, weights=weights)
+
+
+def _check_moe_weights(
+    op: str,
+    x: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    gate_first: bool,
+    act_scale_fmt: Optional[str],
+) -> int:
+    """x and the expert weights of a fused MoE layer. Returns E_local."""
+    _tensor(op, "x", x, torch.bfloat16, 2, "[T, H]")
+    H = x.shape[1]
+    check_divisible(op, "H (x.shape[1])", H, ACT_GROUP_SIZE)
+    E, two_i, _ = _check_gemm(op, None, None, w13, w13_scale, ("", "", "w13", "w13_scale"), K=H)
+    if two_i % (2 * ACT_GROUP_SIZE) != 0:
+        _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {two_i}")
+    _check_gemm(op, None, None, w2, w2_scale, ("", "", "w2", "w2_scale"), K=two_i // 2, N=H, E=E)
+    check_bool(op, "gate_first", gate_first)
+    check_scale_fmt(op, "act_scale_fmt", act_scale_fmt)
+    return E
+
+
+def validate_fused_moe_routed(
+    x: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    expert_offset: int = 0,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> None:
+    op = "fused_moe_routed"
+    _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
+    _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
+    check_int(op, "expert_offset", expert_offset, min=0)
+    check_same_device(
+        op, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale
+    )
+
+
+def validate_fused_moe(
+    x: Tensor,
+    router_logits: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    w2: Tensor,
+    w2_scale: Tensor,
+    top_k: int,
+    routing_method: str,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    expert_offset: int = 0,
+    num_experts: Optional[int] = None,
+    gate_first: bool = True,
+    act_scale_fmt: Optional[str] = None,
+) -> None:
+    op = "fused_moe"
+    e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
+    _check_routing(
+        op,
+        router_logits,
+        top_k,
+        routing_method,
+        score_bias,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        "routing_method",
+    )
+    if router_logits.shape[0] != x.shape[0]:
+        _fail(
+            op,
+            f"router_logits.shape[0] must equal the number of tokens T = x.shape[0] = {x.shape[0]}, got {router_logits.shape[0]}",
+        )
+    e_global = router_logits.shape[1]
+    if num_experts is not None:
+        check_int(op, "num_experts", num_experts, min=1)
+        if num_experts != e_global:
+            _fail(op, f"num_experts must equal router_logits.shape[1] = {e_global} when given, got {num_experts}")
+    _check_expert_range(
+        op, expert_offset, e_local, e_global, "E_local (w13.shape[0])", "num_experts (router_logits.shape[1])"
+    )
+    check_same_device(
+        op,
+        x=x,
+        router_logits=router_logits,
+        w13=w13,
+        w13_scale=w13_scale,
+        w2=w2,
+        w2_scale=w2_scale,
+        score_bias=score_bias,
+    )
+
+
+def _kv_cache_shape(layout: str, cache: Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, H_kv, D) of a cache tensor in ``layout``."""
+    nb, d1, d2, d = cache.shape
+    return (nb, d1, d2, d) if layout == "bshd" else (nb, d2, d1, d)
+
+
+def _check_kv_side(
+    op: str,
+    layout: str,
+    group_size: int,
+    states: Tensor,
+    cache: Tensor,
+    scale_cache: Tensor,
+    names: tuple[str, str, str],
+    ref: Optional[tuple[int, int, int]] = None,
+) -> tuple[int, int, int]:
+    """One of K / V: states [N, H_kv, D], fp8 cache and f32 scale cache. Returns (N, num_blocks, block_size)."""
+    sn, cn, scn = names
+    _tensor(op, sn, states, _FLOAT_ACT, 3, "[N_tok, H_kv, D]")
+    N, H_kv, D = states.shape
+    check_divisible(op, f"D ({sn}.shape[2])", D, group_size, "group_size")
+    what = "[num_blocks, block_size, H_kv, D]" if layout == "bshd" else "[num_blocks, H_kv, block_size, D]"
+    _tensor(op, cn, cache, FP8_DTYPE, 4, f"{what} (layout={layout!r})")
+    nb, bs, ch, cd = _kv_cache_shape(layout, cache)
+    if (ch, cd) != (H_kv, D):
+        _fail(
+            op,
+            f"{cn} must have H_kv = {H_kv} and D = {D} ({sn}.shape[1:]) in layout {layout!r} {what}, got shape {_shape(cache)}",
+        )
+    if ref is not None and (N, nb, bs) != ref:
+        _fail(
+            op,
+            f"{sn} / {cn} must match the K side: N_tok = {ref[0]}, num_blocks = {ref[1]}, block_size = {ref[2]}, "
+            f"got N_tok = {N}, num_blocks = {nb}, block_size = {bs}",
+        )
+    _tensor(op, scn, scale_cache, torch.float32, 4, f"{what} with D/group_size (layout={layout!r})")
+    sexp = (nb, bs, H_kv, D // group_size) if layout == "bshd" else (nb, H_kv, bs, D // group_size)
+    check_shape(op, scn, scale_cache, sexp, f"{cn}.shape with last dim D/group_size")
+    return N, nb, bs
+
+
+def validate_fill_kv_cache_fp8(
+    k_states: Tensor,
+    v_states: Optional[Tensor],
+    k_cache: Tensor,
+    v_cache: Optional[Tensor],
+    k_scale_cache: Tensor,
+    v_scale_cache: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    kv_seqlens: Tensor,
+    block_offsets: Tensor,
+    group_size: int = 128,
+    scale_fmt: Optional[str] = None,
+    layout: str = "bshd",
+) -> None:
+    op = "fill_kv_cache_fp8"
+    check_choice(op, "layout", layout, KV_LAYOUTS)
+    check_scale_fmt(op, "scale_fmt", scale_fmt)
+    check_int(op, "group_size", group_size, min=1)
+    v_args = {"v_states": v_states, "v_cache": v_cache, "v_scale_cache": v_scale_cache}
+    has_v = [check_tensor(op, n, t, optional=True) for n, t in v_args.items()]
+    if any(has_v) and not all(has_v):
+        got = ", ".join(f"{n}={'None' if t is None else 'Tensor'}" for n, t in v_args.items())
+        _fail(
+            op,
+            f"v_states, v_cache and v_scale_cache must be all None (K-only cache, e.g. MLA) or all tensors, got {got}",
+        )
+    ref = _check_kv_side(
+        op, layout, group_size, k_states, k_cache, k_scale_cache, ("k_states", "k_cache", "k_scale_cache")
+    )
+    if all(has_v):
+        assert v_states is not None and v_cache is not None and v_scale_cache is not None
+        _check_kv_side(
+            op, layout, group_size, v_states, v_cache, v_scale_cache, ("v_states", "v_cache", "v_scale_cache"), ref
+        )
+        check_dtype(op, "v_states", v_states, k_states.dtype)
+        if v_states.shape[1] != k_states.shape[1]:
+            _fail(
+                op,
+                f"v_states.shape[1] (H_kv) must equal k_states.shape[1] = {k_states.shape[1]}, got {v_states.shape[1]}",
+            )
+    _tensor(op, "cu_seqlens_q", cu_seqlens_q, _INDEX, 1, "[B + 1]")
+    if cu_seqlens_q.shape[0] < 1:
+        _fail(op, f"cu_seqlens_q must have B + 1 >= 1 entries, got shape {_shape(cu_seqlens_q)}")
+    B = cu_seqlens_q.shape[0] - 1
+    _tensor(op, "kv_seqlens", kv_seqlens, _INDEX, 1, "[B]")
+    check_shape(op, "kv_seqlens", kv_seqlens, (B,), "[B] (B = cu_seqlens_q.shape[0] - 1)")
+    _tensor(op, "block_offsets", block_offsets, _INDEX, 2, "[B, max_blocks]")
+    check_shape(op, "block_offsets", block_offsets, (B, None), "[B, max_blocks]")
+    check_same_device(
+        op,
+        k_states=k_states,
+        v_states=v_states,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache,
+        cu_seqlens_q=cu_seqlens_q,
+        kv_seqlens=kv_seqlens,
+        block_offsets=block_offsets,
+    )

@@ -1,0 +1,68 @@
+"""Every DSL kernel compiles for sm_90a and sm_100a with no GPU, and its SASS
+holds the instructions it must (checked through the inspect CLI, in a fresh
+process per arch because the DSL fixes its default target at import)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cute_moe.kernels import KERNEL_MODULES
+
+ARCHS = ("sm_90a", "sm_100a")
+
+
+def _inspect(op: str, arch: str, *flags: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    return subprocess.run(
+        [sys.executable, "-m", "cute_moe.inspect", op, "--arch", arch, *flags],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def quant_fp8_report(request):
+    proc = _inspect("quant_fp8", request.param, "--json")
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_quant_fp8_sass(quant_fp8_report):
+    report = quant_fp8_report
+    assert report["op"] == "quant_fp8" and report["arch"] in ARCHS
+    assert len(report["kernels"]) == 3
+    for k in report["kernels"]:
+        counts = k["sass_counts"]
+        assert set(k) >= {"name", "registers", "smem_bytes", "spill_bytes", "sass_counts"}
+        assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
+        assert counts.get("SHFL", 0) > 0, "amax is not a warp-shuffle reduction"
+        assert counts.get("LDG", 0) > 0 and counts.get("STG", 0) > 0
+        assert "LDL" not in counts and "STL" not in counts and k["spill_bytes"] == 0
+        assert 0 < k["registers"] <= 64 and k["smem_bytes"] == 0
+
+
+def test_inspect_text_output():
+    proc = _inspect("quant_fp8", "sm_90a")
+    assert proc.returncode == 0, proc.stderr
+    assert "registers" in proc.stdout and "F2FP" in proc.stdout
+
+
+def test_inspect_refuses_ops_without_kernels():
+    no_kernel = "route"
+    assert no_kernel not in KERNEL_MODULES
+    proc = _inspect(no_kernel, "sm_90a")
+    assert proc.returncode == 2 and "no CuTe DSL kernel yet" in proc.stderr
+    proc = _inspect("not_an_op", "sm_90a")
+    assert proc.returncode == 2 and "unknown op" in proc.stderr
+
+
+def test_import_is_cheap_and_gpu_free():
+    code = (
+        "import sys, torch, cute_moe\n"
+        "assert 'cutlass' not in sys.modules, 'importing cute_moe imported the DSL'\n"
+        "assert not torch.cuda.is_initialized(), 'importing cute_moe initialised CUDA'\n"
+        "assert hasattr(torch.ops.cute_moe, 'fused_moe')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,338 @@
+"""Every torch.ops.cute_moe op: torch.library.opcheck, equality with its reference, output layouts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import cute_moe
+from cute_moe import ops as O
+from cute_moe import reference as R
+
+BF16, F16, F32, I32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.int32, torch.float8_e4m3fn
+H, I = 256, 128
+
+# A case builds (op name, args, kwargs) from the per-test random factory `rnd`.
+Case = Callable[[Any], tuple[str, tuple, dict]]
+
+
+def _align(rnd, T: int, k: int, E: int, alignment: int = 8, *, E_global: int | None = None, expert_offset: int = 0):
+    """Random top-k ids over E_global experts and the align outputs for the E local ones."""
+    eg = E if E_global is None else E_global
+    ids = rnd.topk_ids(T, k, eg)
+    return ids, R.align_ref(ids, eg, alignment, expert_offset, E)
+
+
+def _mn_major(s: torch.Tensor) -> torch.Tensor:
+    return s.t().contiguous().t()
+
+
+def _scales(rnd, rows: int, cols: int) -> torch.Tensor:
+    return _mn_major(torch.rand(rows, cols, generator=rnd.gen) * 0.01 + 1e-3)
+
+
+def _fp8(rnd, *shape: int) -> torch.Tensor:
+    return rnd.randn(*shape, dtype=F32, scale=50.0).clamp(-448, 448).to(FP8)
+
+
+def quant(T=5, K=H, dtype=BF16, **kw) -> Case:
+    return lambda rnd: ("quant_fp8", (rnd.randn(T, K, dtype=dtype, scale=3.0),), kw)
+
+
+def route(T, E, top_k, method, dtype=F32, bias=False, **kw) -> Case:
+    def build(rnd):
+        if bias:
+            kw["score_bias"] = rnd.randn(E, dtype=F32, scale=0.1)
+        return "route", (rnd.randn(T, E, dtype=dtype), top_k, method), kw
+
+    return build
+
+
+def align(T, k, E, **kw) -> Case:
+    return lambda rnd: ("align", (rnd.topk_ids(T, k, E), E), kw)
+
+
+def permute_quant(T, scale_fmt=None) -> Case:
+    def build(rnd):
+        _, (off, r2t, _, _) = _align(rnd, T, 2, 4)
+        return "permute_quant", (rnd.randn(T, H, scale=2.0), r2t, off), {"scale_fmt": scale_fmt}
+
+    return build
+
+
+def permute(T) -> Case:
+    def build(rnd):
+        _, (off, r2t, _, _) = _align(rnd, T, 2, 4, expert_offset=2, E_global=8)
+        q, s = R.quant_fp8_ref(rnd.randn(T, H, scale=2.0), 128, None, True)
+        return "permute", (q, s, r2t, off), {}
+
+    return build
+
+
+def gemm(T, N=264, E=3) -> Case:
+    def build(rnd):
+        _, (off, _, _, _) = _align(rnd, T, 2, E, E_global=E + 1, expert_offset=1)  # global expert 0 is not local
+        M = R.m_cap(T, 2, E, 8)
+        b, bs = rnd.expert_weights(E, N, H)
+        return "grouped_gemm_fp8", (_fp8(rnd, M, H), _scales(rnd, M, H // 128), b, bs, off), {}
+
+    return build
+
+
+def silu(T, **kw) -> Case:
+    def build(rnd):
+        _, (off, r2t, _, _) = _align(rnd, T, 2, 4)
+        return "silu_mul_quant", (rnd.randn(r2t.shape[0], 2 * I, scale=4.0), off), kw
+
+    return build
+
+
+def finalize(T, k=3) -> Case:
+    def build(rnd):
+        _, (_, r2t, t2r, _) = _align(rnd, T, k, 4, E_global=8, expert_offset=3)  # some entries not local
+        return "finalize", (rnd.randn(r2t.shape[0], H), rnd.weights(T, k), t2r), {}
+
+    return build
+
+
+def moe_reduce(T, dtype=BF16, **kw) -> Case:
+    return lambda rnd: ("moe_reduce", (rnd.randn(T, 3, H, dtype=dtype), rnd.weights(T, 3)), kw)
+
+
+def _moe_weights(rnd, E_local: int) -> tuple:
+    w13, s13 = rnd.expert_weights(E_local, 2 * I, H)
+    w2, s2 = rnd.expert_weights(E_local, H, I)
+    return w13, s13, w2, s2
+
+
+def fused_routed(T, **kw) -> Case:
+    def build(rnd):
+        ids = rnd.topk_ids(T, 2, 8)
+        args = (rnd.randn(T, H), ids, rnd.weights(T, 2), *_moe_weights(rnd, 4))
+        return "fused_moe_routed", args, {"expert_offset": 2, **kw}
+
+    return build
+
+
+def fused(T, E_global, E_local, top_k, method, bias=False, **kw) -> Case:
+    def build(rnd):
+        if bias:
+            kw["score_bias"] = rnd.randn(E_global, dtype=F32, scale=0.1)
+        args = (rnd.randn(T, H), rnd.randn(T, E_global, dtype=F32), *_moe_weights(rnd, E_local), top_k, method)
+        return "fused_moe", args, kw
+
+    return build
+
+
+def kv(layout="bshd", with_v=True, D=128, Dv=128, group_size=64, dtype=BF16, **kw) -> Case:
+    def build(rnd):
+        q_lens, kv_lens, bs, nb, Hkv = [3, 1, 0], [5, 9, 2], 4, 10, 2
+        N = sum(q_lens)
+
+        def cache(d, g):
+            shape = (nb, bs, Hkv, d) if layout == "bshd" else (nb, Hkv, bs, d)
+            sshape = shape[:3] + (d // g,)
+            return _fp8(rnd, *shape), torch.rand(*sshape, generator=rnd.gen) + 0.5
+
+        kc, ksc = cache(D, group_size)
+        vs, vc, vsc = (rnd.randn(N, Hkv, Dv, dtype=dtype), *cache(Dv, group_size)) if with_v else (None, None, None)
+        cu = torch.tensor([0, 3, 4, 4], dtype=I32)
+        block_offsets = torch.randperm(nb, generator=rnd.gen)[:9].reshape(3, 3).to(I32)
+        args = (
+            rnd.randn(N, Hkv, D, dtype=dtype),
+            vs,
+            kc,
+            vc,
+            ksc,
+            vsc,
+            cu,
+            torch.tensor(kv_lens, dtype=I32),
+            block_offsets,
+        )
+        return "fill_kv_cache_fp8", args, {"group_size": group_size, "layout": layout, **kw}
+
+    return build
+
+
+CASES: dict[str, Case] = {
+    "quant_fp8-bf16": quant(),
+    "quant_fp8-f32-g64-ue8m0-colmajor": quant(7, 192, F32, group_size=64, scale_fmt="ue8m0", column_major_scales=True),
+    "quant_fp8-fp16-T0-colmajor": quant(0, H, F16, column_major_scales=True),
+    "route-softmax": route(6, 16, 4, "softmax"),
+    "route-renormalize-bf16": route(6, 16, 2, "renormalize", BF16),
+    "route-deepseek_v3": route(6, 32, 4, "deepseek_v3", bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5),
+    "route-llama4": route(6, 16, 1, "llama4"),
+    "route-sigmoid_renorm-T0": route(0, 8, 2, "sigmoid_renorm"),
+    "align": align(9, 2, 8, alignment=4),
+    "align-ep": align(5, 4, 16, expert_offset=4, num_local_experts=8),
+    "align-T0": align(0, 2, 8),
+    "permute_quant": permute_quant(6),
+    "permute_quant-ue8m0": permute_quant(3, "ue8m0"),
+    "permute_quant-T0": permute_quant(0),
+    "permute": permute(6),
+    "permute-T0": permute(0),
+    "grouped_gemm_fp8": gemm(7),
+    "grouped_gemm_fp8-N128-E1": gemm(4, N=128, E=1),
+    "grouped_gemm_fp8-T0": gemm(0),
+    "silu_mul_quant": silu(5),
+    "silu_mul_quant-upfirst-ue8m0": silu(3, gate_first=False, scale_fmt="ue8m0"),
+    "silu_mul_quant-T0": silu(0),
+    "finalize": finalize(6),
+    "finalize-T0": finalize(0),
+    "moe_reduce-bf16": moe_reduce(5),
+    "moe_reduce-fp16-fp32acc": moe_reduce(4, F16, fp32_acc=True),
+    "moe_reduce-f32-T0": moe_reduce(0, F32),
+    "fused_moe_routed": fused_routed(5),
+    "fused_moe_routed-upfirst-ue8m0": fused_routed(3, gate_first=False, act_scale_fmt="ue8m0"),
+    "fused_moe-deepseek_v3-ep": fused(
+        5,
+        8,
+        4,
+        2,
+        "deepseek_v3",
+        bias=True,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        expert_offset=4,
+        num_experts=8,
+    ),
+    "fused_moe-renormalize": fused(4, 4, 4, 2, "renormalize"),
+    "fused_moe-softmax-T0": fused(0, 4, 4, 2, "softmax"),
+    "fill_kv_cache_fp8-bshd": kv(),
+    "fill_kv_cache_fp8-bhsd-ue8m0-f32": kv("bhsd", dtype=F32, scale_fmt="ue8m0"),
+    "fill_kv_cache_fp8-mla-k-only": kv(with_v=False, D=192, group_size=64),
+}
+
+# every op of the spec is covered
+assert {c.split("-")[0] for c in CASES} == set(O.__all__)
+
+
+def _build(name: str, rnd) -> tuple[Any, tuple, dict]:
+    op_name, args, kwargs = CASES[name](rnd)
+    return op_name, args, kwargs
+
+
+def _clone(args: tuple) -> tuple:
+    return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _assert_equal(out: Any, ref: Any) -> None:
+    if isinstance(out, (tuple, list)):
+        assert len(out) == len(ref)
+        for o, r in zip(out, ref):
+            _assert_equal(o, r)
+        return
+    if out is None:
+        assert ref is None
+        return
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    if out.dtype == FP8:
+        out, ref = out.view(torch.uint8), ref.view(torch.uint8)
+    assert torch.equal(out, ref)
+
+
+_FP8_DTYPES = {d for d in vars(torch).values() if isinstance(d, torch.dtype) and "float8" in str(d)}
+
+
+@pytest.fixture
+def fp8_allclose(monkeypatch: pytest.MonkeyPatch) -> None:
+    """opcheck's test_schema (SchemaCheckMode) compares every input before/after with torch.allclose,
+    which has no float8 kernel ("mul_cpu_reduced_float" not implemented for 'Float8_e4m3fn'). Compare
+    float8 tensors bit for bit instead; everything else goes to the real allclose."""
+    real = torch.allclose
+
+    def allclose(a: torch.Tensor, b: torch.Tensor, *args: Any, **kwargs: Any) -> bool:
+        if a.dtype in _FP8_DTYPES and b.dtype == a.dtype:
+            return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        return real(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "allclose", allclose)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_opcheck(name: str, rnd, fp8_allclose: None) -> None:
+    op_name, args, kwargs = _build(name, rnd)
+    torch.library.opcheck(getattr(torch.ops.cute_moe, op_name).default, args, kwargs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_reference(name: str, rnd) -> None:
+    op_name, args, kwargs = _build(name, rnd)
+    ref_args = _clone(args)
+    out = getattr(cute_moe, op_name)(*args, **kwargs)  # the functional API -> torch.ops.cute_moe
+    ref = getattr(R, f"{op_name}_ref")(*ref_args, **kwargs)
+    _assert_equal(out, ref)
+    if op_name == "fill_kv_cache_fp8":  # the mutated caches are the output
+        assert out is None
+        _assert_equal(
+            [a for a in args if isinstance(a, torch.Tensor)], [a for a in ref_args if isinstance(a, torch.Tensor)]
+        )
+
+
+@pytest.mark.parametrize(
+    "name", [n for n in CASES if n.split("-")[0] in ("permute_quant", "permute", "silu_mul_quant")]
+)
+def test_gemm_feeding_scales_are_mn_major(name: str, rnd) -> None:
+    op_name, args, kwargs = _build(name, rnd)
+    a, s = getattr(cute_moe, op_name)(*args, **kwargs)
+    rows = a.shape[0]
+    assert s.shape == (rows, a.shape[1] // 128) and s.dtype == F32
+    assert s.stride() == torch.empty(s.shape[1], rows).t().stride()  # (1, rows)
+    assert a.is_contiguous()
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_quant_fp8_scale_layout(column_major: bool, rnd) -> None:
+    q, s = cute_moe.quant_fp8(rnd.randn(6, H), column_major_scales=column_major)
+    assert q.is_contiguous() and q.dtype == FP8
+    assert s.stride() == ((1, 6) if column_major else (2, 1))
+
+
+def test_align_m_cap_is_static(rnd) -> None:
+    for T, k, E, a in [(1, 8, 256, 128), (7, 2, 4, 16), (0, 2, 4, 128)]:
+        off, r2t, t2r, counts = cute_moe.align(rnd.topk_ids(T, k, E), E, alignment=a)
+        assert r2t.shape == (R.m_cap(T, k, E, a),) and off.shape == (E + 1,) and counts.shape == (E,)
+        assert t2r.shape == (T, k)
+    assert R.m_cap(1, 8, 256, 128) == 1024
+
+
+def test_fused_moe_equals_composed_ops(rnd) -> None:
+    """fused_moe == route -> fused_moe_routed, with EP ids outside the local range dropped."""
+    _, args, kwargs = _build("fused_moe-deepseek_v3-ep", rnd)
+    x, logits, w13, s13, w2, s2, top_k, method = args
+    ids, w = cute_moe.route(
+        logits, top_k, method, score_bias=kwargs["score_bias"], n_group=2, topk_group=1, routed_scaling_factor=2.5
+    )
+    out = cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, expert_offset=4)
+    _assert_equal(cute_moe.fused_moe(*args, **kwargs), out)
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith(("quant_fp8", "fused_moe"))])
+def test_cuda_impl_validates_then_refuses(name: str, rnd) -> None:
+    """The CUDA implementation of an op with no kernel yet raises NotImplementedError, never falls back."""
+    op_name, args, kwargs = _build(name, rnd)
+    cuda_impl = getattr(O, op_name)._backend_fns["cuda"]
+    with pytest.raises(NotImplementedError, match=rf"cute_moe\.{op_name}: no CUDA kernel yet"):
+        cuda_impl(*args, **kwargs)
+
+
+def test_cuda_impl_validates_before_importing_kernel() -> None:
+    with pytest.raises(ValueError, match="group_size"):
+        O.quant_fp8._backend_fns["cuda"](torch.randn(4, 100), 128)
+
+
+def test_import_is_light() -> None:
+    code = (
+        "import sys, torch, cute_moe\n"
+        "assert 'cutlass' not in sys.modules, 'cutlass imported'\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+        "assert cute_moe.__version__ == '0.1.0'\n"
+        "assert hasattr(torch.ops.cute_moe, 'fused_moe')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
