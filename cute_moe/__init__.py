@@ -5,7 +5,7 @@ does not initialise CUDA (DSL kernels are imported on first CUDA use), so it wor
 on a machine with no GPU, where every op runs its pure-PyTorch reference.
 """
 
-from cute_moe import ops  # noqa: F401  (registers torch.ops.cute_moe.*)
+from cute_moe import functional, ops  # noqa: F401  (importing ops registers torch.ops.cute_moe.*)
 from cute_moe.functional import (
     align,
     fill_kv_cache_fp8,
@@ -24,21 +24,4 @@ from cute_moe.reference import FP8_DTYPE, FP8_MAX, m_cap
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FP8_DTYPE",
-    "FP8_MAX",
-    "__version__",
-    "align",
-    "fill_kv_cache_fp8",
-    "finalize",
-    "fused_moe",
-    "fused_moe_routed",
-    "grouped_gemm_fp8",
-    "m_cap",
-    "moe_reduce",
-    "permute",
-    "permute_quant",
-    "quant_fp8",
-    "route",
-    "silu_mul_quant",
-]
+__all__ = ["FP8_DTYPE", "FP8_MAX", "__version__", "m_cap", *functional.__all__]

@@ -8,10 +8,11 @@ Each op has
   kernel has not landed raise ``NotImplementedError`` -- never a silent fallback
   to the reference;
 * a fake (meta) implementation that computes every output shape and stride
-  statically (it names only the arguments it needs: the dispatcher passes the caller's
-  arguments positionally, but leaves out trailing ones left at their default,
-  so a fake must repeat the defaults of the arguments it reads) (``M_cap`` from ``reference.m_cap``, which works on SymInts), so
-  ``torch.compile(fullgraph=True, dynamic=True)`` and CUDA graphs work.
+  statically (``M_cap`` from ``reference.m_cap``, which works on SymInts), so
+  ``torch.compile(fullgraph=True, dynamic=True)`` and CUDA graphs work. A fake
+  names only the arguments it reads: the dispatcher passes the caller's
+  arguments positionally but leaves out trailing ones left at their default,
+  so a fake repeats the defaults of the arguments it reads.
 
 ``fused_moe`` and ``fused_moe_routed`` have one device-generic implementation
 that composes the other ``torch.ops.cute_moe`` ops, so they run on CPU and use
@@ -58,6 +59,50 @@ _INT32_MAX = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------
+
+_LIB = torch.library.Library(_NS, "DEF")
+
+
+class _Op:
+    """One op registered through torch.library's low-level API.
+
+    Same surface as ``torch.library.custom_op`` (``register_kernel``,
+    ``register_fake``, calling it), without its Python autograd and dispatch
+    wrappers, which cost tens of microseconds per eager call on the GPU path.
+    The ops are inference-only: none has an autograd formula.
+    """
+
+    def __init__(self, fn: Callable[..., Any], qualname: str, mutates_args: Any, device_types: Optional[str]):
+        self.name = qualname.split("::")[1]
+        _LIB.define(self.name + torch.library.infer_schema(fn, mutates_args=mutates_args))
+        # No device type: a composition of other cute_moe ops, valid on every device.
+        _LIB.impl(self.name, fn, "CompositeExplicitAutograd" if device_types is None else device_types.upper())
+        self.__wrapped__ = fn
+        self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests
+
+    def register_kernel(self, device_type: str, fn: Optional[Callable[..., Any]] = None) -> Any:
+        def register(impl: Callable[..., Any]) -> Callable[..., Any]:
+            _LIB.impl(self.name, impl, device_type.upper())
+            self.kernels[device_type] = impl
+            return impl
+
+        return register if fn is None else register(fn)
+
+    def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        torch.library.register_fake(f"{_NS}::{self.name}", fn, lib=_LIB)
+        return fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(torch.ops.cute_moe, self.name)(*args, **kwargs)
+
+
+def _custom_op(qualname: str, *, mutates_args: Any, device_types: Optional[str] = None) -> Callable[..., _Op]:
+    return lambda fn: _Op(fn, qualname, mutates_args, device_types)
+
+
+# ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
 
@@ -97,7 +142,7 @@ def _no_cuda_kernel(opdef: Any, name: str, validate: Callable[..., None]) -> Non
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::quant_fp8", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::quant_fp8", mutates_args=(), device_types="cpu")
 def quant_fp8(
     x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -129,7 +174,7 @@ def _quant_fp8_fake(
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::route", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::route", mutates_args=(), device_types="cpu")
 def route(
     router_logits: Tensor,
     top_k: int,
@@ -161,7 +206,7 @@ def _route_fake(router_logits: Tensor, top_k: int, *_: Any) -> tuple[Tensor, Ten
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::align", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::align", mutates_args=(), device_types="cpu")
 def align(
     topk_ids: Tensor,
     num_experts: int,
@@ -202,7 +247,7 @@ def _align_fake(
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::permute_quant", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::permute_quant", mutates_args=(), device_types="cpu")
 def permute_quant(
     x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
 ) -> tuple[Tensor, Tensor]:
@@ -224,7 +269,7 @@ def _permute_quant_fake(x: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tenso
     return _permuted_fake(x, row_to_token)
 
 
-@torch.library.custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
 def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
     a, s = R.permute_ref(a_in, a_in_scale, row_to_token, expert_offsets)
@@ -244,7 +289,7 @@ def _permute_fake(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, *_: An
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::grouped_gemm_fp8", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::grouped_gemm_fp8", mutates_args=(), device_types="cpu")
 def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
     return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets).contiguous()
@@ -263,7 +308,7 @@ def _grouped_gemm_fp8_fake(a: Tensor, a_scale: Tensor, b: Tensor, *_: Any) -> Te
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::silu_mul_quant", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::silu_mul_quant", mutates_args=(), device_types="cpu")
 def silu_mul_quant(
     h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
 ) -> tuple[Tensor, Tensor]:
@@ -286,7 +331,7 @@ def _silu_mul_quant_fake(h: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
 def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     V.validate_finalize(y, topk_weights, token_to_row)
     return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
@@ -300,7 +345,7 @@ def _finalize_fake(y: Tensor, topk_weights: Tensor, *_: Any) -> Tensor:
     return y.new_empty((topk_weights.shape[0], y.shape[1]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op(f"{_NS}::moe_reduce", mutates_args=(), device_types="cpu")
+@_custom_op(f"{_NS}::moe_reduce", mutates_args=(), device_types="cpu")
 def moe_reduce(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tensor:
     V.validate_moe_reduce(hidden, weights, fp32_acc)
     return R.moe_reduce_ref(hidden, weights, fp32_acc).contiguous()
@@ -342,7 +387,7 @@ def _moe_from_topk(
     return ops.finalize(y, topk_weights, token_to_row)
 
 
-@torch.library.custom_op(f"{_NS}::fused_moe_routed", mutates_args=())
+@_custom_op(f"{_NS}::fused_moe_routed", mutates_args=())
 def fused_moe_routed(
     x: Tensor,
     topk_ids: Tensor,
@@ -368,7 +413,7 @@ def _fused_moe_routed_fake(x: Tensor, *_: Any) -> Tensor:
     return x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
-@torch.library.custom_op(f"{_NS}::fused_moe", mutates_args=())
+@_custom_op(f"{_NS}::fused_moe", mutates_args=())
 def fused_moe(
     x: Tensor,
     router_logits: Tensor,
@@ -408,7 +453,7 @@ def _fused_moe_fake(x: Tensor, *_: Any) -> Tensor:
 # ----------------------------------------------------------------------------
 
 
-@torch.library.custom_op(
+@_custom_op(
     f"{_NS}::fill_kv_cache_fp8",
     mutates_args=("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"),
     device_types="cpu",

@@ -317,14 +317,14 @@ def test_fused_moe_equals_composed_ops(rnd) -> None:
 def test_cuda_impl_validates_then_refuses(name: str, rnd) -> None:
     """The CUDA implementation of an op with no kernel yet raises NotImplementedError, never falls back."""
     op_name, args, kwargs = _build(name, rnd)
-    cuda_impl = getattr(O, op_name)._backend_fns["cuda"]
+    cuda_impl = getattr(O, op_name).kernels["cuda"]
     with pytest.raises(NotImplementedError, match=rf"cute_moe\.{op_name}: no CUDA kernel yet"):
         cuda_impl(*args, **kwargs)
 
 
 def test_cuda_impl_validates_before_importing_kernel() -> None:
     with pytest.raises(ValueError, match="group_size"):
-        O.quant_fp8._backend_fns["cuda"](torch.randn(4, 100), 128)
+        O.quant_fp8.kernels["cuda"](torch.randn(4, 100), 128)
 
 
 def test_import_is_light() -> None:

@@ -10,6 +10,9 @@ from torch import nn
 import cute_moe
 from cute_moe import reference as R
 
+# inductor itself still calls torch.jit.script_method on CPU
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
 E, H, I, TOP_K = 8, 256, 128, 2
 TOKENS = (3, 5, 17)
 

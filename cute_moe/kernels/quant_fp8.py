@@ -1,11 +1,9 @@
 """Per-token-group FP8 quantization (``cute_moe.quant_fp8``) as a CuTe DSL kernel.
 
-Math, per row ``r`` and group ``g`` of ``G`` consecutive columns, in f32::
-
-    amax  = max(max_j |x[r, g*G + j]|, 1e-6)
-    scale = amax / 448                         (IEEE division, as torch does)
-    scale = 2**ceil(log2(scale))               (scale_fmt="ue8m0" only; exact, by bits)
-    q     = e4m3(clamp(x / scale, -448, 448))  (round to nearest even, saturating)
+Math, per row ``r`` and group ``g`` of ``G`` consecutive columns: the contract's
+formula, implemented once in ``fp8_group.quantize_group_fp8`` (amax floored at
+1e-6, scale = amax/448 or its ue8m0 rounding, codes = e4m3(clamp(x/scale))),
+bit-identical to ``reference.quant_fp8_ref``.
 
 Mapping: one (row, group) is handled by ``T = min(32, G / v)`` consecutive lanes
 of a warp, ``v`` being the elements in 16 bytes of input (8 for bf16/fp16, 4 for
@@ -18,11 +16,6 @@ all 4 loads issued before any math so that enough bytes are in flight; a CTA of
 the kernel is one read of x and one write of q and the scales, so its floor is
 HBM bandwidth.
 
-With ue8m0 the scale is a power of two: ``x / scale`` is then computed exactly
-as ``x * 2**-e``; otherwise it is the correctly rounded quotient from the
-reciprocal and one FMA residual step, so codes stay bit-identical to the
-reference's IEEE division.
-
 Constraints (``QuantFp8Kernel.can_implement``): x is bf16, fp16 or f32 with unit
 column stride, 16-byte aligned base and row stride; G is a power of two in
 [32, 1024]; K % G == 0.  The scale tensor may have any strides (row- or
@@ -34,7 +27,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 from ..compiler import (
     arch_of_device,
@@ -43,13 +36,10 @@ from ..compiler import (
     fake_tensor,
     torch_to_cutlass_dtype,
 )
+from .fp8_group import lanes_per_group, quantize_group_fp8
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-6
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GRID_Y = 65535
-_F32_EXP_MASK = 0x7F800000
-_F32_MANTISSA_MASK = 0x007FFFFF
 
 
 class QuantFp8Kernel:
@@ -62,19 +52,14 @@ class QuantFp8Kernel:
         self.dtype = dtype
         self.group_size = group_size
         self.ue8m0 = ue8m0
-        self.threads_per_group = self.lanes_per_group(dtype.width // 8, group_size)
+        self.threads_per_group = lanes_per_group(dtype.width // 8, group_size)
         self.elems_per_thread = group_size // self.threads_per_group
         self.rows_per_pass = self.num_threads // self.threads_per_group
         self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
 
-    @staticmethod
-    def lanes_per_group(elem_bytes: int, group_size: int) -> int:
-        """Lanes sharing one group: each loads 16 bytes at least, at most 32 lanes."""
-        return min(32, group_size * elem_bytes // 16)
-
     @classmethod
     def rows_per_cta_for(cls, elem_bytes: int, group_size: int) -> int:
-        return cls.num_threads // cls.lanes_per_group(elem_bytes, group_size) * cls.rows_per_thread
+        return cls.num_threads // lanes_per_group(elem_bytes, group_size) * cls.rows_per_thread
 
     @staticmethod
     def can_implement(dtype: torch.dtype, group_size: int) -> str | None:
@@ -120,34 +105,8 @@ class QuantFp8Kernel:
 
         for u in cutlass.range_constexpr(self.rows_per_thread):
             row = first_row + u * self.rows_per_pass
-            x = rXs[u].load().to(Float32)
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(self.elems_per_thread):
-                amax = cute.arch.fmax(amax, abs(x[i]))
-            amax = cute.arch.warp_reduction_max(amax, threads_in_group=self.threads_per_group)
-            scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
-
-            rY = cute.make_rmem_tensor((self.elems_per_thread,), Float32)
-            if cutlass.const_expr(self.ue8m0):
-                # Smallest power of two >= scale: bump the exponent if any mantissa bit is set.
-                scale_bits = (scale.bitcast(Int32) + Int32(_F32_MANTISSA_MASK)) & Int32(_F32_EXP_MASK)
-                scale = scale_bits.bitcast(Float32)
-                inv_scale = (Int32(254 << 23) - scale_bits).bitcast(Float32)  # exact 2**-e
-                rY.store(x * inv_scale)
-            else:
-                # x / scale, correctly rounded, with one division per group instead of one per
-                # element: q0 = x*RN(1/s) is within an ulp, and one FMA residual step rounds it
-                # exactly (Markstein); the residual x - s*q0 is exact in an FMA.
-                inv_scale = Float32(1.0) / scale
-                rY.store(x * inv_scale)
-                for i in cutlass.range_constexpr(self.elems_per_thread):
-                    residual = cute.math.fma(-scale, rY[i], x[i])
-                    rY[i] = cute.math.fma(residual, inv_scale, rY[i])
-            for i in cutlass.range_constexpr(self.elems_per_thread):
-                rY[i] = cute.arch.fmin(cute.arch.fmax(rY[i], Float32(-FP8_MAX)), Float32(FP8_MAX))
             rQ = cute.make_rmem_tensor((self.elems_per_thread,), cutlass.Float8E4M3FN)
-            rQ.store(rY.load().to(cutlass.Float8E4M3FN))
-
+            scale = quantize_group_fp8(rXs[u], rQ, self.threads_per_group, self.ue8m0)
             if row < mX.shape[0]:
                 cute.copy(store, rQ, cute.local_tile(mQ[row, None], (self.elems_per_thread,), (chunk,)))
                 if tidx % self.threads_per_group == 0:
