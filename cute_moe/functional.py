@@ -362,6 +362,11 @@ def fill_kv_cache_fp8(
         layout: ``"bshd"`` or ``"bhsd"``.
 
     ``v_states``, ``v_cache`` and ``v_scale_cache`` are all None or all tensors.
+    Nothing is written for a token past ``cu_seqlens_q[-1]``, a negative position, a block
+    index past ``max_blocks`` or a block id outside ``[0, num_blocks)``: the kernel never
+    writes out of bounds. With ``CUTE_MOE_DEBUG=1`` the CUDA path checks the block ids on
+    the host (a device sync) and raises ``ValueError`` instead.
+    Inputs must be finite (non-finite values give unspecified codes).
     """
     _ops.fill_kv_cache_fp8(
         k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,

@@ -482,7 +482,29 @@ def fill_kv_cache_fp8(
     )  # fmt: skip
 
 
-_no_cuda_kernel(fill_kv_cache_fp8, "fill_kv_cache_fp8", V.validate_fill_kv_cache_fp8)
+@fill_kv_cache_fp8.register_kernel("cuda")
+def _fill_kv_cache_fp8_cuda(
+    k_states: Tensor,
+    v_states: Optional[Tensor],
+    k_cache: Tensor,
+    v_cache: Optional[Tensor],
+    k_scale_cache: Tensor,
+    v_scale_cache: Optional[Tensor],
+    cu_seqlens_q: Tensor,
+    kv_seqlens: Tensor,
+    block_offsets: Tensor,
+    group_size: int = 128,
+    scale_fmt: Optional[str] = None,
+    layout: str = "bshd",
+) -> None:
+    args = (
+        k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
+        group_size, scale_fmt, layout,
+    )  # fmt: skip
+    V.validate_fill_kv_cache_fp8(*args)
+    from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
+
+    fill_kv_cache_fp8_cuda(*args)
 
 
 @fill_kv_cache_fp8.register_fake

@@ -422,10 +422,13 @@ def fill_kv_cache_fp8_ref(
     bc = b.clamp_max(max(B - 1, 0))
     j = tok - cu[bc]
     pos = kv_seqlens.long()[bc] - (cu[bc + 1] - cu[bc]) + j
-    keep = (b < B) & (pos >= 0)
+    # Slots the kernel cannot address are skipped, as the kernel skips them: positions before the
+    # cache start, block indices past max_blocks, block ids outside [0, num_blocks).
+    keep = (b < B) & (pos >= 0) & (pos // block_size < block_offsets.shape[1])
     tok, bc, pos = tok[keep], bc[keep], pos[keep]
     blk = block_offsets.long()[bc, pos // block_size]
-    slot = pos % block_size
+    in_range = (blk >= 0) & (blk < k_cache.shape[0])
+    tok, blk, slot = tok[in_range], blk[in_range], (pos % block_size)[in_range]
 
     def write(states, cache, scale_cache):
         q, s = _quant_groups(states[tok], group_size, scale_fmt)  # [n, H, D], [n, H, D/g]

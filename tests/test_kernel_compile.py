@@ -38,8 +38,24 @@ def test_quant_fp8_sass(quant_fp8_report):
         assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
         assert counts.get("SHFL", 0) > 0, "amax is not a warp-shuffle reduction"
         assert counts.get("LDG", 0) > 0 and counts.get("STG", 0) > 0
+        assert "CALL" not in counts, "a division slow path crept in"
         assert "LDL" not in counts and "STL" not in counts and k["spill_bytes"] == 0
         assert 0 < k["registers"] <= 64 and k["smem_bytes"] == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fill_kv_cache_fp8_sass(arch):
+    proc = _inspect("fill_kv_cache_fp8", arch, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert len(report["kernels"]) == 3
+    for k in report["kernels"]:
+        counts = k["sass_counts"]
+        assert counts.get("F2FP", 0) > 0 and counts.get("SHFL", 0) > 0
+        assert counts.get("LDG", 0) > 0 and counts.get("STG", 0) > 0
+        assert "CALL" not in counts, "a division slow path crept in"
+        assert "LDL" not in counts and "STL" not in counts and k["spill_bytes"] == 0
+        assert 0 < k["registers"] <= 96 and k["smem_bytes"] == 0
 
 
 def test_inspect_text_output():

@@ -13,12 +13,15 @@ so callers predicate only their loads and stores, never the call.
 """
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-6
+_INV_FP8_MAX = struct.unpack("f", struct.pack("f", 1.0 / FP8_MAX))[0]  # RN_f32(1/448)
 _F32_EXP_MASK = 0x7F800000
 _F32_MANTISSA_MASK = 0x007FFFFF
 
@@ -31,8 +34,8 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(n):
         amax = cute.arch.fmax(amax, abs(x[i]))
-    amax = cute.arch.warp_reduction_max(amax, threads_in_group=lanes)
-    scale = cute.arch.fmax(amax, Float32(AMAX_FLOOR)) / Float32(FP8_MAX)
+    amax = cute.arch.fmax(cute.arch.warp_reduction_max(amax, threads_in_group=lanes), Float32(AMAX_FLOOR))
+    scale = _div_by_fp8_max(amax)
 
     rY = cute.make_rmem_tensor((n,), Float32)
     if cutlass.const_expr(ue8m0):
@@ -42,18 +45,29 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
         scale = scale_bits.bitcast(Float32)
         rY.store(x * (Int32(254 << 23) - scale_bits).bitcast(Float32))
     else:
-        # x / scale, correctly rounded, with one division per group instead of one per element:
-        # q0 = x * RN(1/s) is within an ulp, and one FMA residual step rounds it exactly
-        # (Markstein); the residual x - s*q0 is exact in an FMA.
-        inv_scale = Float32(1.0) / scale
+        # x / scale, correctly rounded, as div.rn.f32's fast path computes it but with the
+        # reciprocal shared by the group: 1/scale from MUFU.RCP and one Newton step, then
+        # q0 = x * (1/scale) and one FMA residual step per element (Markstein; the residual
+        # x - scale*q0 is exact in an FMA). The range checks that send div.rn to its slow
+        # path cannot fire here: scale is normal (>= 1e-6/448) and |x / scale| <= 448.
+        rcp = cute.arch.rcp_approx(scale)
+        inv_scale = cute.math.fma(cute.math.fma(-scale, rcp, Float32(1.0)), rcp, rcp)
         rY.store(x * inv_scale)
         for i in cutlass.range_constexpr(n):
             residual = cute.math.fma(-scale, rY[i], x[i])
             rY[i] = cute.math.fma(residual, inv_scale, rY[i])
-    for i in cutlass.range_constexpr(n):
-        rY[i] = cute.arch.fmin(cute.arch.fmax(rY[i], Float32(-FP8_MAX)), Float32(FP8_MAX))
+    # The conversion saturates (cvt.rn.satfinite): the clamp to +-448 comes with it for
+    # finite inputs, which the ops require.
     rQ.store(rY.load().to(cutlass.Float8E4M3FN))
     return scale
+
+
+@cute.jit
+def _div_by_fp8_max(a: Float32) -> Float32:
+    """RN(a / 448) without a division: q = RN(a * RN(1/448)) is within an ulp and one FMA
+    residual step rounds it correctly (Markstein), for every normal a."""
+    q = a * Float32(_INV_FP8_MAX)
+    return cute.math.fma(cute.math.fma(Float32(-FP8_MAX), q, a), Float32(_INV_FP8_MAX), q)
 
 
 def lanes_per_group(elem_bytes: int, group_size: int) -> int:

@@ -1,0 +1,67 @@
+"""fill_kv_cache_fp8 on the GPU: kernel time (CUDA graph, L2 flushed, median),
+GB/s and share of the copy bandwidth measured in the same run, beside the
+plain-PyTorch implementation (cute_moe.reference.fill_kv_cache_fp8_ref on CUDA).
+
+    python bench/bench_kv_cache.py [--json PATH]
+
+Bytes counted minimally: read the new K (and V) states once, write their codes
+and f32 scales once.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import cute_moe  # noqa: E402
+from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
+from tests.kv_cases import make_kv_case  # noqa: E402
+from timing import Timer  # noqa: E402
+
+CONFIGS = {  # name: heads, head_dim, with_v
+    "llama (H_kv=8, D=128, K+V)": (8, 128, True),
+    "mla (H_kv=1, D=512, K only)": (1, 512, False),
+}
+WORKLOADS = {  # name: q_lens, histories
+    "decode B=64": ([1] * 64, [1000 + 7 * i for i in range(64)]),
+    "prefill 4096": ([4096], [0]),
+    "prefill 65536": ([8192] * 8, [0] * 8),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_kv_cache.json"))
+    args = parser.parse_args()
+    timer = Timer()
+    copy_gbs = timer.copy_bandwidth_gbs()
+    rows = []
+    for cname, (heads, dim, with_v) in CONFIGS.items():
+        for wname, (q_lens, hist) in WORKLOADS.items():
+            case = make_kv_case(q_lens, hist, heads, dim, with_v=with_v, block_size=64)
+            n_tok = sum(q_lens)
+            sides = 2 if with_v else 1
+            nbytes = sides * n_tok * heads * (dim * 2 + dim + dim // 128 * 4)
+            us = timer.graph_us(lambda: cute_moe.fill_kv_cache_fp8(*case.args()))
+            # The reference uses data-dependent shapes (host syncs): events, not a graph.
+            plain_us = timer.kernel_us(lambda: fill_kv_cache_fp8_ref(*case.args()), reps=20)
+            rows.append({"config": cname, "workload": wname, "tokens": n_tok, "us": us, "gbs": nbytes / us / 1e3,
+                         "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us})
+    print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    print(f"{'config':<28} {'workload':<14} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['config']:<28} {r['workload']:<14} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
+              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""fill_kv_cache_fp8's CuTe DSL kernel against the reference, on the GPU.
+
+The caches start full of poison (random code bytes, NaN scales); the kernel's
+caches and the reference's (applied to a copy) are compared whole, bit for bit:
+written slots must match (codes identical on >= 99.99%, scales exact) and every
+other byte must keep its poison.
+"""
+import pytest
+import torch
+
+import cute_moe
+from cute_moe.reference import fill_kv_cache_fp8_ref
+
+from .kv_cases import make_kv_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _run_and_compare(case, group_size, scale_fmt, layout):
+    expected = [None if t is None else t.clone() for t in case.args()]
+    fill_kv_cache_fp8_ref(*expected, group_size=group_size, scale_fmt=scale_fmt, layout=layout)
+    cute_moe.fill_kv_cache_fp8(*case.args(), group_size=group_size, scale_fmt=scale_fmt, layout=layout)
+    for name, got, want in zip(("k_cache", "v_cache", "k_scale_cache", "v_scale_cache"),
+                               (case.k_cache, case.v_cache, case.k_scale_cache, case.v_scale_cache),
+                               (expected[2], expected[3], expected[4], expected[5])):
+        if got is None:
+            continue
+        if got.dtype == torch.float32:
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+        else:
+            same = (got.view(torch.uint8) == want.view(torch.uint8)).float().mean().item()
+            assert same >= 0.9999, (name, same)
+
+
+SCENARIOS = {
+    "decode_b64": ([1] * 64, [int(i * 37 % 1000) for i in range(64)]),
+    "decode_b512": ([1] * 512, [int(i * 53 % 3000) for i in range(512)]),
+    "prefill_with_history": ([4096, 1000, 1], [0, 300, 77]),
+    "mixed": ([1, 17, 1, 300, 64, 1, 2, 129], [5, 0, 640, 63, 64, 1, 1000, 3]),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_llama_style(scenario, layout, scale_fmt):
+    q_lens, hist = SCENARIOS[scenario]
+    case = make_kv_case(q_lens, hist, heads=8, head_dim=128, layout=layout, seed=len(q_lens) + len(layout))
+    _run_and_compare(case, 128, scale_fmt, layout)
+
+
+@pytest.mark.parametrize("group_size", [128, 512])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_mla_k_only(group_size, layout):
+    case = make_kv_case([1, 700, 1, 33], [90, 0, 2000, 5], heads=1, head_dim=512, with_v=False,
+                        group_size=group_size, layout=layout, seed=group_size)
+    _run_and_compare(case, group_size, "ue8m0", layout)
+
+
+def test_fp32_states_and_small_blocks():
+    case = make_kv_case([3, 40], [10, 0], heads=4, head_dim=64, block_size=16, group_size=64,
+                        dtype=torch.float32, seed=3)
+    _run_and_compare(case, 64, None, "bshd")
+
+
+def test_out_of_range_block_ids_are_skipped(monkeypatch):
+    case = make_kv_case([5, 5], [0, 60], heads=8, head_dim=128, seed=4)
+    case.block_offsets[1, 1] = case.k_cache.shape[0] + 3  # positions 64.. of sequence 1
+    _run_and_compare(case, 128, None, "bshd")
+    monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
+    with pytest.raises(ValueError, match="block_offsets"):
+        cute_moe.fill_kv_cache_fp8(*case.args())
+
+
+def test_empty_batch():
+    case = make_kv_case([], [], heads=8, head_dim=128, seed=5)
+    cute_moe.fill_kv_cache_fp8(*case.args())
+
+
+def test_decode_cuda_graph_replay():
+    case = make_kv_case([1] * 64, list(range(0, 640, 10)), heads=8, head_dim=128, spare_blocks=64, seed=6)
+    cute_moe.fill_kv_cache_fp8(*case.args())  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cute_moe.fill_kv_cache_fp8(*case.args())
+    for step in range(1, 3):
+        case.k_states.copy_(torch.randn_like(case.k_states, dtype=torch.float32).to(case.k_states.dtype))
+        case.v_states.copy_(torch.randn_like(case.v_states, dtype=torch.float32).to(case.v_states.dtype))
+        case.kv_seqlens += 1  # next decode position (one past the allocated blocks is skipped by both)
+        expected = [None if t is None else t.clone() for t in case.args()]
+        fill_kv_cache_fp8_ref(*expected)
+        graph.replay()
+        assert torch.equal(case.k_cache.view(torch.uint8), expected[2].view(torch.uint8))
+        assert torch.equal(case.v_scale_cache.view(torch.int32), expected[5].view(torch.int32))
