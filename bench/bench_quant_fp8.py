@@ -63,6 +63,9 @@ def main() -> None:
         "op (cute_moe.quant_fp8)": host_us_per_call(lambda: cute_moe.quant_fp8(x)),
         "kernel module (quant_fp8_cuda)": host_us_per_call(lambda: quant_fp8_cuda(x, 128, None, False)),
         "compiled function only": host_us_per_call(lambda: compiled(x, q.view(torch.uint8), s)),
+        "its tvm_ffi.Function only": host_us_per_call(
+            lambda: compiled.__tvm_ffi_object__()(x, q.view(torch.uint8), s)
+        ),
     }
     print("host overhead per eager call, T=1:  " + ";  ".join(f"{k} {v:.1f} us" for k, v in host.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

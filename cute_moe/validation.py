@@ -167,7 +167,7 @@ def check_aligned_16(op: str, name: str, t: Tensor, *, strides: bool = False) ->
     With ``strides=True`` also every stride of a dimension of size > 1, other than a unit
     stride, must be a multiple of 16 bytes. CPU, meta and fake tensors are not checked.
     """
-    if t.device.type != "cuda" or t.numel() == 0 or _is_fake(t):
+    if t.device.type != "cuda" or t.numel() == 0 or (type(t) is not Tensor and _is_fake(t)):
         return
     if t.data_ptr() % 16 != 0:
         _fail(

@@ -15,13 +15,16 @@ Layouts: the host hands the kernel every cache as a logical
 ``[num_blocks, block_size, H, D]`` view with its own strides (a ``bhsd`` cache is
 passed transposed), so one kernel serves both layouts.
 
-Mapping: one warp per token.  The warp finds the token's sequence by counting
-``cu_seqlens_q[1:] <= t`` (each lane counts a strided share, then a warp sum:
-independent loads instead of a dependent binary search, so decode stays at one
-memory round trip), then walks the token's ``H * D / G`` groups, ``32 / L``
-groups per pass (``L`` lanes per group, 16 bytes per lane per load), with the
-loads of 4 passes of K and V issued before any math.  The floor is HBM
-bandwidth: read K and V once, write codes and scales once.
+Mapping: a warp owns a few consecutive tokens (enough that each lane has about
+128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only).
+For each token the warp finds its sequence by counting ``cu_seqlens_q[1:] <= t``
+(each lane counts a strided share, then a warp sum: independent loads instead of
+a dependent binary search, so decode stays at one memory round trip), then its
+(block, slot).  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
+pass (``L`` lanes per group, 16 bytes per lane per load); with the head count a
+compile-time constant every pass unrolls, and all loads of all the warp's tokens
+are issued before any math.  The floor is HBM bandwidth: read K and V once,
+write codes and scales once.
 
 Constraints (``FillKvCacheFp8Kernel.can_implement``): states bf16/fp16/f32 with
 unit channel stride and 16-byte aligned token and head strides; G a power of two
@@ -41,22 +44,32 @@ from .fp8_group import lanes_per_group, quantize_group_fp8
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4
-_PASSES_IN_FLIGHT = 4
+_BYTES_IN_FLIGHT_PER_LANE = 128  # a warp batches tokens until its lanes hold this much
 
 
 class FillKvCacheFp8Kernel:
-    """Static configuration: states dtype, head dims, group size, scale format, K-only or K+V."""
+    """Static configuration: states dtype, heads, head dims, group size, scale format, K-only or K+V.
 
-    def __init__(self, dtype, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool):
+    The head count is static (a model constant): the (head, group) walk of a token then
+    unrolls completely, so every load of a warp's tokens is issued before any math.
+    """
+
+    def __init__(self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool):
         self.dtype = dtype
-        self.head_dim = head_dim
-        self.head_dim_v = head_dim_v
+        self.heads = heads
+        self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
         self.group_size = group_size
         self.ue8m0 = ue8m0
         self.lanes = lanes_per_group(dtype.width // 8, group_size)
         self.elems_per_lane = group_size // self.lanes
         self.groups_per_pass = 32 // self.lanes
-        self.num_threads = 32 * _WARPS_PER_CTA
+        lane_bytes_per_token = sum(self.passes(d) for d in self.head_dims) * self.elems_per_lane * dtype.width // 8
+        self.tokens_per_warp = max(1, min(8, _BYTES_IN_FLIGHT_PER_LANE // lane_bytes_per_token))
+        self.tokens_per_cta = self.tokens_per_warp * _WARPS_PER_CTA
+
+    def passes(self, head_dim: int) -> int:
+        """Warp passes over one token's heads * head_dim / G groups."""
+        return -(-self.heads * (head_dim // self.group_size) // self.groups_per_pass)
 
     @staticmethod
     def can_implement(dtype: torch.dtype, head_dim: int, head_dim_v: int | None, group_size: int) -> str | None:
@@ -72,11 +85,11 @@ class FillKvCacheFp8Kernel:
     @cute.jit
     def __call__(self, mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk, stream):
         mKC = cute.make_tensor(cute.recast_ptr(mKC.iterator, dtype=cutlass.Float8E4M3FN), mKC.layout)
-        if cutlass.const_expr(self.head_dim_v is not None):
+        if cutlass.const_expr(len(self.head_dims) == 2):
             mVC = cute.make_tensor(cute.recast_ptr(mVC.iterator, dtype=cutlass.Float8E4M3FN), mVC.layout)
         self.kernel(mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk).launch(
-            grid=[cute.ceil_div(mK.shape[0], _WARPS_PER_CTA), 1, 1],
-            block=[self.num_threads, 1, 1],
+            grid=[cute.ceil_div(mK.shape[0], self.tokens_per_cta), 1, 1],
+            block=[32 * _WARPS_PER_CTA, 1, 1],
             stream=stream,
         )
 
@@ -85,17 +98,69 @@ class FillKvCacheFp8Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        token = bidx * _WARPS_PER_CTA + tidx // 32
-        num_tokens = mK.shape[0]
-        num_seqs = mCu.shape[0] - 1
+        first_token = bidx * self.tokens_per_cta + (tidx // 32) * self.tokens_per_warp
+        sides = [(mK, mKC, mKS, self.head_dims[0])]
+        if cutlass.const_expr(len(self.head_dims) == 2):
+            sides.append((mV, mVC, mVS, self.head_dims[1]))
 
-        # Sequence of this token: how many sequence ends cu_seqlens_q[1..B] are <= token.
+        # Destination (block, slot) of each of the warp's tokens; block -1 = nothing to write.
+        blocks, slots = [], []
+        for w in cutlass.range_constexpr(self.tokens_per_warp):
+            block, slot = self.destination(mCu, mKvLen, mBlk, mKC, mK.shape[0], first_token + w, lane)
+            blocks.append(block)
+            slots.append(slot)
+
+        # Every load of every token first (zeros where nothing is written, so that all
+        # lanes still join the amax shuffles), then quantize and store.
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        loaded = []
+        for w in cutlass.range_constexpr(self.tokens_per_warp):
+            for mX, _, _, head_dim in sides:
+                for p in cutlass.range_constexpr(self.passes(head_dim)):
+                    head, group, ok = self.unit(p, head_dim, lane)
+                    rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+                    rX.fill(0.0)
+                    if blocks[w] >= 0 and ok:
+                        chunk = group * self.lanes + lane % self.lanes
+                        cute.copy(load, cute.local_tile(mX[first_token + w, head, None], (self.elems_per_lane,), (chunk,)), rX)
+                    loaded.append(rX)
+
+        store = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
+        )
+        i = 0
+        for w in cutlass.range_constexpr(self.tokens_per_warp):
+            for _, mC, mS, head_dim in sides:
+                for p in cutlass.range_constexpr(self.passes(head_dim)):
+                    head, group, ok = self.unit(p, head_dim, lane)
+                    rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+                    scale = quantize_group_fp8(loaded[i], rQ, self.lanes, self.ue8m0)
+                    i += 1
+                    if blocks[w] >= 0 and ok:
+                        chunk = group * self.lanes + lane % self.lanes
+                        dst = cute.local_tile(mC[blocks[w], slots[w], head, None], (self.elems_per_lane,), (chunk,))
+                        cute.copy(store, rQ, dst)
+                        if lane % self.lanes == 0:
+                            mS[blocks[w], slots[w], head, group] = scale
+
+    @cute.jit
+    def unit(self, p: cutlass.Constexpr, head_dim: cutlass.Constexpr, lane):
+        """(head, group, in range) of the group this lane's lane-group covers in pass p."""
+        groups_per_head = head_dim // self.group_size
+        g = p * self.groups_per_pass + lane // self.lanes
+        return g // groups_per_head, g % groups_per_head, g < self.heads * groups_per_head
+
+    @cute.jit
+    def destination(self, mCu, mKvLen, mBlk, mKC, num_tokens, token, lane):
+        """(block, slot) of a token, computed by the whole warp; block -1 when it is not written."""
+        # Its sequence: how many sequence ends cu_seqlens_q[1..B] are <= token. Each lane counts
+        # a strided share (independent loads, one memory round trip), then a warp sum.
+        num_seqs = mCu.shape[0] - 1
         seq = Int32(0)
         for i in range(lane, num_seqs, 32):
             if mCu[i + 1] <= token:
                 seq += 1
         seq = cute.arch.warp_reduction_sum(seq)
-
         block, slot = Int32(-1), Int32(0)
         if token < num_tokens and seq < num_seqs:
             q_start = mCu[seq]
@@ -105,45 +170,10 @@ class FillKvCacheFp8Kernel:
                 candidate = mBlk[seq, pos // block_size]
                 if candidate >= 0 and candidate < mKC.shape[0]:
                     block, slot = candidate, pos % block_size
-        if block >= 0:  # warp-uniform: the whole warp shares one token
-            self.fill(mK, mKC, mKS, self.head_dim, token, block, slot, lane)
-            if cutlass.const_expr(self.head_dim_v is not None):
-                self.fill(mV, mVC, mVS, self.head_dim_v, token, block, slot, lane)
-
-    @cute.jit
-    def fill(self, mX, mC, mS, head_dim: cutlass.Constexpr, token, block, slot, lane):
-        """Quantize token's [H, head_dim] states into cache slot (block, slot), one warp."""
-        groups_per_head = head_dim // self.group_size
-        num_groups = mX.shape[1] * groups_per_head
-        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        store = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
-        )
-        lane_in_group = lane % self.lanes
-        per_iter = self.groups_per_pass * _PASSES_IN_FLIGHT
-        for first in range(0, num_groups, per_iter):
-            rXs = []
-            for p in cutlass.range_constexpr(_PASSES_IN_FLIGHT):
-                g = first + p * self.groups_per_pass + lane // self.lanes
-                rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-                rX.fill(0.0)
-                if g < num_groups:
-                    head, chunk = g // groups_per_head, (g % groups_per_head) * self.lanes + lane_in_group
-                    cute.copy(load, cute.local_tile(mX[token, head, None], (self.elems_per_lane,), (chunk,)), rX)
-                rXs.append(rX)
-            for p in cutlass.range_constexpr(_PASSES_IN_FLIGHT):
-                g = first + p * self.groups_per_pass + lane // self.lanes
-                rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
-                scale = quantize_group_fp8(rXs[p], rQ, self.lanes, self.ue8m0)
-                if g < num_groups:
-                    head, group = g // groups_per_head, g % groups_per_head
-                    chunk = group * self.lanes + lane_in_group
-                    cute.copy(store, rQ, cute.local_tile(mC[block, slot, head, None], (self.elems_per_lane,), (chunk,)))
-                    if lane_in_group == 0:
-                        mS[block, slot, head, group] = scale
+        return block, slot
 
 
-def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads):
+def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int):
     states = fake_tensor(
         cdtype, (num_tokens, heads, head_dim),
         (cute.sym_int64(divisibility=128 // cdtype.width), cute.sym_int64(divisibility=128 // cdtype.width), 1),
@@ -162,17 +192,18 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads):
 
 @cached_compile
 def compile_fill_kv_cache_fp8(
-    dtype: torch.dtype, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, arch: str, keep_cubin: bool = False
-):
+    dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, arch: str,
+    keep_cubin: bool = False,
+):  # fmt: skip
     """Compile for any token count, batch, cache size and layout; keyed on the scalars above."""
     cdtype = torch_to_cutlass_dtype(dtype)
-    num_tokens, heads, batch = cute.sym_int(), cute.sym_int(), cute.sym_int()
+    num_tokens, batch = cute.sym_int(), cute.sym_int()
     k_side = _fake_side(cdtype, head_dim, group_size, num_tokens, heads)
     v_side = (None, None, None) if head_dim_v is None else _fake_side(cdtype, head_dim_v, group_size, num_tokens, heads)
     cu = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
-    kernel = FillKvCacheFp8Kernel(cdtype, head_dim, head_dim_v, group_size, ue8m0)
+    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0)
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -223,8 +254,9 @@ def fill_kv_cache_fp8_cuda(
     if k_states.shape[0] == 0 or cu_seqlens_q.shape[0] < 2:
         return
     fn = compile_fill_kv_cache_fp8(
-        k_states.dtype, k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0", arch_of_device(k_states.device)
-    )
+        k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
+        arch_of_device(k_states.device),
+    )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 
 
@@ -232,9 +264,9 @@ def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect fill_kv_cache_fp8``."""
     return [
         (
-            f"fill_kv_cache_fp8[bfloat16, D={d}, Dv={dv}, group={g}, scale_fmt={fmt}]",
-            compile_fill_kv_cache_fp8(torch.bfloat16, d, dv, g, fmt == "ue8m0", arch, True),
+            f"fill_kv_cache_fp8[bfloat16, H_kv={h}, D={d}, Dv={dv}, group={g}, scale_fmt={fmt}]",
+            compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", arch, True),
             0,
         )
-        for d, dv, g, fmt in [(128, 128, 128, "none"), (128, 128, 128, "ue8m0"), (512, None, 128, "none")]
+        for h, d, dv, g, fmt in [(8, 128, 128, 128, "none"), (8, 128, 128, 128, "ue8m0"), (1, 512, None, 128, "none")]
     ]
