@@ -13,17 +13,21 @@ ids on the host and raise instead).
 
 Layouts: the host hands the kernel every cache as a logical
 ``[num_blocks, block_size, H, D]`` view with its own strides (a ``bhsd`` cache is
-passed transposed), so one kernel serves both layouts.
+passed transposed), so one kernel serves both layouts.  Contiguous caches with
+per-token-contiguous states (the usual case: K and V split from a fused QKV
+output) get a variant compiled with those strides as constants (keyed on layout
+and block size), whose addressing folds into a few adds; any other strides get
+the variant with every stride a runtime value.
 
 Mapping: a warp owns a few consecutive tokens (enough that each lane has about
-128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only).
+64 bytes of loads of one side in flight: 1 token for Llama-style, 2 for MLA).
 For each token the warp finds its sequence by counting ``cu_seqlens_q[1:] <= t``
 (each lane counts a strided share, then a warp sum: independent loads instead of
 a dependent binary search, so decode stays at one memory round trip), then its
-(block, slot).  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
+(block, slot), while its states are already being loaded.  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
 pass (``L`` lanes per group, 16 bytes per lane per load); with the head count a
-compile-time constant every pass unrolls, and all loads of all the warp's tokens
-are issued before any math.  The floor is HBM bandwidth: read K and V once,
+compile-time constant every pass unrolls, and all K loads of the warp's tokens
+are issued first, before the destination look-ups and any math; V follows K.  The floor is HBM bandwidth: read K and V once,
 write codes and scales once.
 
 Constraints (``FillKvCacheFp8Kernel.can_implement``): states bf16/fp16/f32 with
@@ -44,7 +48,7 @@ from .fp8_group import lanes_per_group, quantize_group_fp8
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4
-_BYTES_IN_FLIGHT_PER_LANE = 128  # a warp batches tokens until its lanes hold this much
+_BYTES_IN_FLIGHT_PER_LANE = 64  # per side, a warp batches tokens until its lanes hold this much
 
 
 class FillKvCacheFp8Kernel:
@@ -63,7 +67,7 @@ class FillKvCacheFp8Kernel:
         self.lanes = lanes_per_group(dtype.width // 8, group_size)
         self.elems_per_lane = group_size // self.lanes
         self.groups_per_pass = 32 // self.lanes
-        lane_bytes_per_token = sum(self.passes(d) for d in self.head_dims) * self.elems_per_lane * dtype.width // 8
+        lane_bytes_per_token = self.passes(head_dim) * self.elems_per_lane * dtype.width // 8
         self.tokens_per_warp = max(1, min(8, _BYTES_IN_FLIGHT_PER_LANE // lane_bytes_per_token))
         self.tokens_per_cta = self.tokens_per_warp * _WARPS_PER_CTA
 
@@ -103,34 +107,31 @@ class FillKvCacheFp8Kernel:
         if cutlass.const_expr(len(self.head_dims) == 2):
             sides.append((mV, mVC, mVS, self.head_dims[1]))
 
-        # Destination (block, slot) of each of the warp's tokens; block -1 = nothing to write.
-        blocks, slots = [], []
-        for w in cutlass.range_constexpr(self.tokens_per_warp):
-            block, slot = self.destination(mCu, mKvLen, mBlk, mKC, mK.shape[0], first_token + w, lane)
-            blocks.append(block)
-            slots.append(slot)
-
-        # Every load of every token first (zeros where nothing is written, so that all
-        # lanes still join the amax shuffles), then quantize and store.
+        # K, then V: all of a side's loads for the warp's tokens are issued first. The first
+        # side's loads depend on the token index only, so they are in flight while the warp
+        # works out where its tokens go. Tokens past the end read as zeros, so that all
+        # lanes still join the amax shuffles.
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        loaded = []
-        for w in cutlass.range_constexpr(self.tokens_per_warp):
-            for mX, _, _, head_dim in sides:
+        store = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
+        )
+        blocks, slots = None, None
+        for mX, mC, mS, head_dim in sides:
+            loaded = []
+            for w in cutlass.range_constexpr(self.tokens_per_warp):
                 for p in cutlass.range_constexpr(self.passes(head_dim)):
                     head, group, ok = self.unit(p, head_dim, lane)
                     rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
                     rX.fill(0.0)
-                    if blocks[w] >= 0 and ok:
+                    if first_token + w < mK.shape[0] and ok:
                         chunk = group * self.lanes + lane % self.lanes
-                        cute.copy(load, cute.local_tile(mX[first_token + w, head, None], (self.elems_per_lane,), (chunk,)), rX)
+                        src = cute.local_tile(mX[first_token + w, head, None], (self.elems_per_lane,), (chunk,))
+                        cute.copy(load, src, rX)
                     loaded.append(rX)
-
-        store = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
-        )
-        i = 0
-        for w in cutlass.range_constexpr(self.tokens_per_warp):
-            for _, mC, mS, head_dim in sides:
+            if cutlass.const_expr(blocks is None):
+                blocks, slots = self.destinations(mCu, mKvLen, mBlk, mKC, mK.shape[0], first_token, lane)
+            i = 0
+            for w in cutlass.range_constexpr(self.tokens_per_warp):
                 for p in cutlass.range_constexpr(self.passes(head_dim)):
                     head, group, ok = self.unit(p, head_dim, lane)
                     rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
@@ -151,55 +152,83 @@ class FillKvCacheFp8Kernel:
         return g // groups_per_head, g % groups_per_head, g < self.heads * groups_per_head
 
     @cute.jit
-    def destination(self, mCu, mKvLen, mBlk, mKC, num_tokens, token, lane):
-        """(block, slot) of a token, computed by the whole warp; block -1 when it is not written."""
-        # Its sequence: how many sequence ends cu_seqlens_q[1..B] are <= token. Each lane counts
-        # a strided share (independent loads, one memory round trip), then a warp sum.
+    def destinations(self, mCu, mKvLen, mBlk, mKC, num_tokens, first_token, lane):
+        """(block, slot) of each of the warp's tokens; block -1 when a token is not written."""
+        # A token's sequence: how many sequence ends cu_seqlens_q[1..B] are <= token. Each lane
+        # counts a strided share for all the warp's tokens at once (independent loads, one
+        # memory round trip), then a warp sum per token.
         num_seqs = mCu.shape[0] - 1
-        seq = Int32(0)
+        counts = cute.make_rmem_tensor((self.tokens_per_warp,), Int32)
+        counts.fill(0)
         for i in range(lane, num_seqs, 32):
-            if mCu[i + 1] <= token:
-                seq += 1
-        seq = cute.arch.warp_reduction_sum(seq)
-        block, slot = Int32(-1), Int32(0)
-        if token < num_tokens and seq < num_seqs:
-            q_start = mCu[seq]
-            pos = mKvLen[seq] - (mCu[seq + 1] - q_start) + (token - q_start)
-            block_size = mKC.shape[1]
-            if pos >= 0 and pos // block_size < mBlk.shape[1]:
-                candidate = mBlk[seq, pos // block_size]
-                if candidate >= 0 and candidate < mKC.shape[0]:
-                    block, slot = candidate, pos % block_size
-        return block, slot
+            seq_end = mCu[i + 1]
+            for w in cutlass.range_constexpr(self.tokens_per_warp):
+                if seq_end <= first_token + w:
+                    counts[w] = counts[w] + 1
+        blocks, slots = [], []
+        block_size = mKC.shape[1]
+        for w in cutlass.range_constexpr(self.tokens_per_warp):
+            token = first_token + w
+            seq = cute.arch.warp_reduction_sum(counts[w])
+            block, slot = Int32(-1), Int32(0)
+            if token < num_tokens and seq < num_seqs:
+                q_start = mCu[seq]
+                pos = mKvLen[seq] - (mCu[seq + 1] - q_start) + (token - q_start)
+                if pos >= 0 and pos // block_size < mBlk.shape[1]:
+                    candidate = mBlk[seq, pos // block_size]
+                    if candidate >= 0 and candidate < mKC.shape[0]:
+                        block, slot = candidate, pos % block_size
+            blocks.append(block)
+            slots.append(slot)
+        return blocks, slots
 
 
-def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int):
-    states = fake_tensor(
-        cdtype, (num_tokens, heads, head_dim),
-        (cute.sym_int64(divisibility=128 // cdtype.width), cute.sym_int64(divisibility=128 // cdtype.width), 1),
-    )  # fmt: skip
-    blocks, block_size = cute.sym_int(), cute.sym_int()
-    cache = fake_tensor(
-        cutlass.Uint8, (blocks, block_size, heads, head_dim),
-        (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1),
-    )  # fmt: skip
-    scales = fake_tensor(
-        cutlass.Float32, (blocks, block_size, heads, head_dim // group_size),
-        tuple(cute.sym_int64() for _ in range(4)), align=4,
-    )  # fmt: skip
+def _static_strides(layout: str, block_size: int, heads: int, dim: int) -> tuple:
+    """Strides of a contiguous cache of ``layout`` seen as [num_blocks, block_size, H, dim]."""
+    if layout == "bshd":
+        return (block_size * heads * dim, heads * dim, dim, 1)
+    return (heads * block_size * dim, dim, block_size * dim, 1)
+
+
+def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, contiguous):
+    """Fake (states, codes cache, scale cache) for one of K / V.
+
+    ``contiguous`` is None (any strides: every stride a runtime value) or (layout, block_size)
+    for contiguous caches and per-token-contiguous states: then every stride but the token
+    stride is a compile-time constant and the addressing folds into a few adds.
+    """
+    vec = 128 // cdtype.width
+    blocks = cute.sym_int()
+    if contiguous is None:
+        block_size = cute.sym_int()
+        states_stride = (cute.sym_int64(divisibility=vec), cute.sym_int64(divisibility=vec), 1)
+        cache_stride = (cute.sym_int64(divisibility=16),) * 3 + (1,)
+        scale_stride = tuple(cute.sym_int64() for _ in range(4))
+    else:
+        layout, block_size = contiguous
+        states_stride = (cute.sym_int64(divisibility=vec), head_dim, 1)
+        cache_stride = _static_strides(layout, block_size, heads, head_dim)
+        scale_stride = _static_strides(layout, block_size, heads, head_dim // group_size)
+    states = fake_tensor(cdtype, (num_tokens, heads, head_dim), states_stride)
+    cache = fake_tensor(cutlass.Uint8, (blocks, block_size, heads, head_dim), cache_stride)
+    scales = fake_tensor(cutlass.Float32, (blocks, block_size, heads, head_dim // group_size), scale_stride, align=4)
     return states, cache, scales
 
 
 @cached_compile
 def compile_fill_kv_cache_fp8(
-    dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, arch: str,
+    dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
     keep_cubin: bool = False,
 ):  # fmt: skip
-    """Compile for any token count, batch, cache size and layout; keyed on the scalars above."""
+    """Compile for any token count, batch and cache size; keyed on the scalars above
+    (``contiguous``: None, or (layout, block_size) for the static-stride variant)."""
     cdtype = torch_to_cutlass_dtype(dtype)
     num_tokens, batch = cute.sym_int(), cute.sym_int()
-    k_side = _fake_side(cdtype, head_dim, group_size, num_tokens, heads)
-    v_side = (None, None, None) if head_dim_v is None else _fake_side(cdtype, head_dim_v, group_size, num_tokens, heads)
+    k_side = _fake_side(cdtype, head_dim, group_size, num_tokens, heads, contiguous)
+    v_side = (
+        (None, None, None) if head_dim_v is None
+        else _fake_side(cdtype, head_dim_v, group_size, num_tokens, heads, contiguous)
+    )  # fmt: skip
     cu = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
@@ -253,9 +282,13 @@ def fill_kv_cache_fp8_cuda(
         _debug_check_block_ids(block_offsets, k_cache.shape[0])
     if k_states.shape[0] == 0 or cu_seqlens_q.shape[0] < 2:
         return
+    contiguous = (layout, k_cache.shape[1 if layout == "bshd" else 2])
+    for _, states, cache, scales in sides:
+        if not (cache.is_contiguous() and scales.is_contiguous() and states.stride(1) == states.shape[2]):
+            contiguous = None
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
-        arch_of_device(k_states.device),
+        contiguous, arch_of_device(k_states.device),
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 
@@ -264,9 +297,15 @@ def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect fill_kv_cache_fp8``."""
     return [
         (
-            f"fill_kv_cache_fp8[bfloat16, H_kv={h}, D={d}, Dv={dv}, group={g}, scale_fmt={fmt}]",
-            compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", arch, True),
+            f"fill_kv_cache_fp8[bfloat16, H_kv={h}, D={d}, Dv={dv}, group={g}, scale_fmt={fmt}, "
+            f"{'any strides' if contiguous is None else 'contiguous %s, block %d' % contiguous}]",
+            compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", contiguous, arch, True),
             0,
         )
-        for h, d, dv, g, fmt in [(8, 128, 128, 128, "none"), (8, 128, 128, 128, "ue8m0"), (1, 512, None, 128, "none")]
+        for h, d, dv, g, fmt, contiguous in [
+            (8, 128, 128, 128, "none", ("bshd", 64)),
+            (8, 128, 128, 128, "ue8m0", ("bhsd", 64)),
+            (1, 512, None, 128, "none", ("bshd", 64)),
+            (8, 128, 128, 128, "none", None),
+        ]
     ]

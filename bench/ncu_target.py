@@ -1,0 +1,40 @@
+"""One warm call of a kernel for Nsight Compute to profile (the call before it compiles and warms up).
+
+    ncu --clock-control none --kernel-name regex:kernel_cutlass -c 1 --launch-skip 1 \\
+        --section SpeedOfLight --section Occupancy --section WarpStateStats \\
+        python3 bench/ncu_target.py kv_llama_prefill
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cute_moe  # noqa: E402
+from tests.kv_cases import make_kv_case  # noqa: E402
+
+
+def _kv(heads, dim, with_v):
+    case = make_kv_case([8192] * 8, [0] * 8, heads, dim, with_v=with_v)
+    return lambda: cute_moe.fill_kv_cache_fp8(*case.args())
+
+
+def _quant():
+    x = torch.randn(16384, 7168, device="cuda", dtype=torch.bfloat16)
+    return lambda: cute_moe.quant_fp8(x)
+
+
+TARGETS = {
+    "kv_llama_prefill": lambda: _kv(8, 128, True),
+    "kv_mla_prefill": lambda: _kv(1, 512, False),
+    "quant_16384": _quant,
+}
+
+if __name__ == "__main__":
+    fn = TARGETS[sys.argv[1]]()
+    fn()
+    torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()

@@ -1,0 +1,326 @@
+"""Gather rows into expert order (``cute_moe.permute_quant`` and ``cute_moe.permute``)
+as CuTe DSL kernels.
+
+Math, per output row ``r < end = expert_offsets[-1]`` (read on the device) with
+``t = row_to_token[r]``:
+
+* ``permute_quant``: ``a[r], a_scale[r] = quant(x[t])`` per group of 128 columns
+  with the contract's formula (``fp8_group.quantize_group_fp8``); a padding row
+  (``t == -1``) is quantized from zeros, i.e. codes 0 and the scale of an
+  all-zero group (``1e-6 / 448``, or its ue8m0 rounding ``2**-28``), exactly what
+  ``reference.permute_quant_ref`` writes.
+* ``permute``: ``a[r] = a_in[t]``, ``a_scale[r] = a_in_scale[t]``; a padding row
+  gets codes 0 and scale 1.0 (``reference.permute_ref``).
+
+Rows ``r >= end`` are neither read nor written.  A token id outside ``[0, T)``
+other than -1 is outside the op's contract; the kernels treat it as padding
+rather than read out of bounds.  Scales are written MN-major (``a_scale[r, g]``
+at ``g * M_cap + r``).
+
+Mapping (both kernels, as in ``quant_fp8``): one (row, group of 128 columns)
+is handled by ``L`` consecutive lanes, each owning 16 bytes of input (bf16/fp16:
+``L = 16`` lanes of 8 elements; fp8: ``L = 8`` lanes of 16 codes).  A CTA of 256
+threads covers ``256 / L`` rows per pass and 4 passes, i.e. 64 (bf16) or 128
+(fp8) consecutive output rows of one group column; the grid is
+``(H / 128, ceil(M_cap / rows_per_cta))`` with group columns fastest, so
+neighbouring CTAs read neighbouring bytes of the same source rows.  Each thread
+first loads its 4 rows' token ids (one broadcast LDG per row and group of
+lanes), then issues all 4 of its 16-byte row loads (and, in ``permute``, the 4
+scale loads) before any math, so 64 bytes per thread are in flight; the
+quantizer's amax is a shuffle reduction over the ``L`` lanes.  CTAs whose rows
+all lie at or past ``end`` exit at once, so the work follows the routed rows,
+not ``M_cap``.  Row blocks beyond the 65535 grid rows are covered by a
+grid-stride loop.  No shared memory, no inter-CTA communication: one read of the
+gathered rows and one write of codes and scales, so the floor is HBM bandwidth.
+
+Constraints (``can_implement``): x bf16/fp16 (``permute_quant``), a_in
+float8_e4m3fn (``permute``); H a multiple of 128; unit column stride with a
+16-byte aligned base and row stride (checked on the host); ``a_in_scale`` f32
+with any strides.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+import torch
+from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32
+
+from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from .fp8_group import lanes_per_group, quantize_group_fp8
+from .moe_rows import or_sign_bits, rows_end
+
+GROUP = 128
+QUANT_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_GRID_Y = 65535
+_NUM_THREADS = 256
+_ROWS_PER_THREAD = 4
+
+
+class _RowGatherBase:
+    """Shared static configuration: CTA shape for 16-byte lanes over groups of 128 columns."""
+
+    num_threads = _NUM_THREADS
+    rows_per_thread = _ROWS_PER_THREAD
+
+    def __init__(self, elem_bytes: int):
+        self.lanes = lanes_per_group(elem_bytes, GROUP)
+        self.elems_per_lane = GROUP // self.lanes
+        self.rows_per_pass = self.num_threads // self.lanes
+        self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
+
+    @classmethod
+    def grid(cls, elem_bytes: int, m_cap: int, h: int) -> tuple[int, int]:
+        rows_per_cta = cls.num_threads // lanes_per_group(elem_bytes, GROUP) * cls.rows_per_thread
+        return h // GROUP, min(-(-m_cap // rows_per_cta), _MAX_GRID_Y)
+
+    @cute.jit
+    def stage_tokens(self, mR2T: cute.Tensor, sTok: cute.Tensor, first_cta_row, end, num_tokens, tidx):
+        """The CTA's row_to_token slice into shared memory, one coalesced load; -1 marks padding,
+        rows at or past ``end`` and ids outside [0, T)."""
+        if tidx < self.rows_per_cta:
+            row = first_cta_row + tidx
+            tok = mR2T[cutlass.min(row, end - 1)]  # the loop runs only while end >= 1
+            if row >= end or tok >= num_tokens:
+                tok = Int32(-1)
+            sTok[tidx] = tok
+        cute.arch.sync_threads()
+
+    @cute.jit
+    def row_sources(self, sTok: cute.Tensor, tidx):
+        """(source row, valid) for each of this thread's rows, from shared memory.
+
+        A padding row reads source row 0 (the host passes T >= 1) and its bytes are then
+        replaced: every row load is unconditional, so ptxas issues all of them before any math.
+        """
+        srcs, valids = [], []
+        for u in cutlass.range_constexpr(self.rows_per_thread):
+            tok = sTok[(tidx // self.lanes) * self.rows_per_thread + u]
+            srcs.append(cutlass.max(tok, Int32(0)))
+            valids.append(tok >= 0)
+        cute.arch.sync_threads()  # sTok is rewritten by the next grid-stride iteration
+        return srcs, valids
+
+    def alloc_tokens(self, smem):
+        return smem.allocate_tensor(
+            Int32, cute.make_layout(self.rows_per_cta), byte_alignment=16
+        )
+
+
+class PermuteQuantKernel(_RowGatherBase):
+    """Static configuration: input dtype and scale format."""
+
+    def __init__(self, dtype, ue8m0: bool):
+        super().__init__(dtype.width // 8)
+        self.dtype = dtype
+        self.ue8m0 = ue8m0
+
+    @staticmethod
+    def can_implement(dtype: torch.dtype, hidden: int) -> str | None:
+        """None when the kernel supports the configuration, else the reason."""
+        if dtype not in QUANT_DTYPES:
+            return f"x dtype must be one of {QUANT_DTYPES}, got {dtype}"
+        if hidden % GROUP:
+            return f"H must be a multiple of {GROUP}, got {hidden}"
+        return None
+
+    @cute.jit
+    def __call__(self, mX, mR2T, mOff, mQ, mS, stream):
+        mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
+        if grid_y > _MAX_GRID_Y:
+            grid_y = Int32(_MAX_GRID_Y)
+        self.kernel(mX, mR2T, mOff, mQ, mS).launch(
+            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mR2T: cute.Tensor, mOff: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, bidy, _ = cute.arch.block_idx()
+        _, grid_y, _ = cute.arch.grid_dim()
+        end = rows_end(mOff, mQ.shape[0])
+        chunk = group * self.lanes + tidx % self.lanes
+        # cp.async (L2 only) into a per-thread slot of shared memory: the row loads are issued back to
+        # back and none of the math can be scheduled between them (it all waits on the group).
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
+        store = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.elems_per_lane
+        )
+        smem = cutlass.utils.SmemAllocator()
+        sTok = self.alloc_tokens(smem)
+        sX = smem.allocate_tensor(
+            self.dtype,
+            cute.make_layout(
+                (self.elems_per_lane, self.num_threads, self.rows_per_thread),
+                stride=(1, self.elems_per_lane, self.elems_per_lane * self.num_threads),
+            ),
+            byte_alignment=16,
+        )
+        # Row blocks at or past end do no iteration: the CTA exits.
+        for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
+            first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
+            self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mX.shape[0], tidx)
+            srcs, valids = self.row_sources(sTok, tidx)
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                if valids[u]:
+                    cute.copy(g2s, cute.local_tile(mX[srcs[u], None], (self.elems_per_lane,), (chunk,)), sX[None, tidx, u])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                row = first_row + u
+                rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+                cute.autovec_copy(sX[None, tidx, u], rX)
+                if not valids[u]:  # padding: zeros (every lane joins the quantizer's shuffles)
+                    rX.fill(0.0)
+                rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+                scale = quantize_group_fp8(rX, rQ, self.lanes, self.ue8m0)
+                if cutlass.const_expr(not self.ue8m0):
+                    or_sign_bits(rX, rQ)  # -0.0 -> code 0x80, as the reference's true division
+                if row < end:
+                    cute.copy(store, rQ, cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
+                    if tidx % self.lanes == 0:
+                        mS[row, group] = scale
+
+
+class PermuteKernel(_RowGatherBase):
+    """FP8 rows and their scales moved into expert order; no static options."""
+
+    def __init__(self):
+        super().__init__(1)
+
+    @staticmethod
+    def can_implement(hidden: int) -> str | None:
+        if hidden % GROUP:
+            return f"H must be a multiple of {GROUP}, got {hidden}"
+        return None
+
+    @cute.jit
+    def __call__(self, mA, mSin, mR2T, mOff, mQ, mS, stream):
+        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
+        if grid_y > _MAX_GRID_Y:
+            grid_y = Int32(_MAX_GRID_Y)
+        self.kernel(mA, mSin, mR2T, mOff, mQ, mS).launch(
+            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mA, mSin, mR2T, mOff, mQ, mS):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, bidy, _ = cute.arch.block_idx()
+        _, grid_y, _ = cute.arch.grid_dim()
+        end = rows_end(mOff, mQ.shape[0])
+        chunk = group * self.lanes + tidx % self.lanes
+        scale_lane = tidx % self.lanes == 0
+        copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
+        sTok = self.alloc_tokens(cutlass.utils.SmemAllocator())
+        for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
+            first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
+            self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mA.shape[0], tidx)
+            srcs, valids = self.row_sources(sTok, tidx)
+            rAs, scales = [], []
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                rA = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Uint8)
+                rA.fill(0)  # padding: codes 0, scale 1.0
+                scale = Float32(1.0)
+                if valids[u]:
+                    cute.copy(copy, cute.local_tile(mA[srcs[u], None], (self.elems_per_lane,), (chunk,)), rA)
+                    scale = mSin[srcs[u], group]
+                rAs.append(rA)
+                scales.append(scale)
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                row = first_row + u
+                if row < end:
+                    cute.copy(copy, rAs[u], cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
+                    if scale_lane:
+                        mS[row, group] = scales[u]
+
+
+def _fake_rows_io(in_dtype, num_tokens, hidden, m_cap):
+    """Fake tensors shared by both kernels: source rows, maps, codes and MN-major-or-any scales."""
+    mX = fake_tensor(in_dtype, (num_tokens, hidden), (cute.sym_int64(divisibility=128 // in_dtype.width), 1))
+    mR2T = fake_tensor(cutlass.Int32, (m_cap,), (1,), align=4)
+    mOff = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
+    mQ = fake_tensor(cutlass.Uint8, (m_cap, hidden), (cute.sym_int64(divisibility=16), 1))
+    mS = fake_tensor(Float32, (m_cap, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()), align=4)
+    return mX, mR2T, mOff, mQ, mS
+
+
+@cached_compile
+def compile_permute_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin: bool = False):
+    """Compile for every T, H, M_cap, E and scale layout; the key is the scalars above."""
+    cdtype = torch_to_cutlass_dtype(dtype)
+    mX, mR2T, mOff, mQ, mS = _fake_rows_io(cdtype, cute.sym_int(), cute.sym_int(), cute.sym_int())
+    return compile_kernel(PermuteQuantKernel(cdtype, ue8m0), mX, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
+
+
+@cached_compile
+def compile_permute(arch: str, keep_cubin: bool = False):
+    """Compile for every T, H, M_cap, E and input scale layout."""
+    num_tokens = cute.sym_int()
+    mA, mR2T, mOff, mQ, mS = _fake_rows_io(cutlass.Uint8, num_tokens, cute.sym_int(), cute.sym_int())
+    mSin = fake_tensor(Float32, (num_tokens, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()), align=4)
+    return compile_kernel(PermuteKernel(), mA, mSin, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
+
+
+def _check_rows(op: str, name: str, t: torch.Tensor) -> None:
+    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        raise ValueError(
+            f"cute_moe.{op}: {name} must have unit column stride and a 16-byte aligned base and row stride, "
+            f"got strides {tuple(t.stride())}"
+        )
+
+
+def _empty_outputs(like: torch.Tensor, m_cap: int, hidden: int):
+    a = torch.empty((m_cap, hidden), dtype=torch.float8_e4m3fn, device=like.device)
+    a_scale = torch.empty((hidden // GROUP, m_cap), dtype=torch.float32, device=like.device).t()
+    return a, a_scale
+
+
+def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
+    """A T = 0 source still needs a real tensor for the call: one zero row, never read (every row is padding)."""
+    return t if t.shape[0] else t.new_zeros((1, t.shape[1]))
+
+
+def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt):
+    """Launch on x's device and current stream; inputs already validated by the op layer."""
+    reason = PermuteQuantKernel.can_implement(x.dtype, x.shape[1])
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.permute_quant: no CUDA kernel for this input: {reason}")
+    _check_rows("permute_quant", "x", x)
+    m_cap, hidden = row_to_token.shape[0], x.shape[1]
+    a, a_scale = _empty_outputs(x, m_cap, hidden)
+    if m_cap == 0 or hidden == 0:
+        return a, a_scale
+    fn = compile_permute_quant(x.dtype, scale_fmt == "ue8m0", arch_of_device(x.device))
+    fn(_nonempty_rows(x), row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
+    return a, a_scale
+
+
+def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor):
+    """Launch on a_in's device and current stream; inputs already validated by the op layer."""
+    reason = PermuteKernel.can_implement(a_in.shape[1])
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.permute: no CUDA kernel for this input: {reason}")
+    _check_rows("permute", "a_in", a_in)
+    m_cap, hidden = row_to_token.shape[0], a_in.shape[1]
+    a, a_scale = _empty_outputs(a_in, m_cap, hidden)
+    if m_cap == 0 or hidden == 0:
+        return a, a_scale
+    if a_in.shape[0] == 0:
+        a_in, a_in_scale = _nonempty_rows(a_in), a_in_scale.new_ones((1, a_in_scale.shape[1]))
+    fn = compile_permute(arch_of_device(a_in.device))
+    fn(a_in.view(torch.uint8), a_in_scale, row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
+    return a, a_scale
+
+
+def inspect_variants(arch: str):
+    """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect permute_quant``."""
+    return [
+        (f"permute_quant[bfloat16, scale_fmt={fmt}]", compile_permute_quant(torch.bfloat16, fmt == "ue8m0", arch, True), 0)
+        for fmt in ("none", "ue8m0")
+    ] + [("permute[float8_e4m3fn]", compile_permute(arch, True), 0)]

@@ -1,0 +1,272 @@
+"""finalize's and moe_reduce's CuTe DSL kernels against the references, on the GPU.
+
+The kernels are called directly (``finalize_cuda``, ``moe_reduce_cuda``) on fresh
+random data, their outputs allocated from a NaN-poisoned allocator, and compared
+bit for bit:
+
+* finalize: identical to ``reference.finalize_ref`` (both compute
+  ``acc = RN(acc + RN(w * y))`` in f32 in order j, then one RN cast to bf16).
+  Index maps come from ``reference.align_ref`` on random top-k ids, including
+  expert-parallel shards (``expert_offset`` / ``num_local_experts``) where many
+  entries are -1.  Every row of y that no entry names (segment padding, rows past
+  the last segment) and every weight of a -1 entry is NaN: one read of them shows
+  up as NaN in the output.
+* moe_reduce with ``fp32_acc=True`` (or f32 rows): identical to
+  ``reference.moe_reduce_ref``.  With ``fp32_acc=False`` and 16-bit rows the kernel
+  accumulates in the row dtype (lmdeploy's mode, documented in
+  ``cute_moe.functional.moe_reduce``): identical to ``_lowp_reduce`` below (the
+  same roundings in the same order) and within the derived error bound of the f32
+  reference.
+"""
+
+import pytest
+import torch
+
+from cute_moe.kernels.finalize import finalize_cuda
+from cute_moe.kernels.moe_reduce import moe_reduce_cuda
+from cute_moe.reference import align_ref, finalize_ref, moe_reduce_ref
+
+from .gpu_helpers import poison_allocator
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = [0, 1, 7, 128, 4096]
+TOPK = [1, 2, 6, 8]
+HIDDEN = [2048, 4096, 7168]
+
+
+def _gen(seed: int, device: str) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _rows(m: int, h: int, g: torch.Generator, device: str) -> torch.Tensor:
+    """f32 rows with magnitudes spread over four decades (every rounding regime of bf16)."""
+    scale = torch.pow(10.0, torch.empty(m, 1, device=device).uniform_(-2, 2, generator=g))
+    return torch.randn(m, h, generator=g, device=device) * scale
+
+
+def _weights(t: int, k: int, g: torch.Generator, device: str) -> torch.Tensor:
+    """Routing-like weights, some negative so that sums cancel."""
+    return torch.rand(t, k, generator=g, device=device) * 1.2 - 0.1
+
+
+def finalize_case(T, k, H, seed, *, shard="all", num_experts=16, alignment=128, row_pad=0, device="cuda"):
+    """(y, topk_weights, token_to_row) with NaN in every y row and weight the op must not read.
+
+    shard="ep": this rank owns the second quarter of the experts, so most entries are -1.
+    row_pad > 0: y is a column slice of a wider buffer (row stride H + row_pad), the pad NaN.
+    """
+    g = _gen(seed, device)
+    ids = torch.rand(T, num_experts, generator=g, device=device).argsort(dim=1)[:, :k].to(torch.int32)
+    if shard == "ep":
+        quarter = num_experts // 4
+        _, r2t, t2r, _ = align_ref(ids, num_experts, alignment, expert_offset=quarter, num_local_experts=quarter)
+    else:
+        _, r2t, t2r, _ = align_ref(ids, num_experts, alignment)
+    m_cap = r2t.shape[0]
+    buf = torch.full((m_cap, H + row_pad), float("nan"), device=device)
+    named = torch.zeros(m_cap, dtype=torch.bool, device=device)
+    named[t2r[t2r >= 0].long()] = True
+    buf[named, :H] = _rows(int(named.sum()), H, g, device)
+    y = buf.to(torch.bfloat16)[:, :H]
+    w = _weights(T, k, g, device)
+    w[t2r < 0] = float("nan")
+    return y, w, t2r
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _check_finalize(y, w, t2r):
+    poison_allocator()
+    out = finalize_cuda(y, w, t2r)
+    ref = finalize_ref(y, w, t2r)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and out.is_contiguous()
+    assert not out.isnan().any(), "a skipped row or weight was read, or an output was left unwritten"
+    assert torch.equal(_bits(out), _bits(ref)), (out.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("k", TOPK)
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("shard", ["all", "ep"])
+def test_finalize(T, k, H, shard):
+    _check_finalize(*finalize_case(T, k, H, seed=T * 1009 + k * 31 + H + (shard == "ep"), shard=shard))
+
+
+def test_finalize_strided_y_and_weights():
+    T, k, H = 333, 8, 4096
+    y, w, t2r = finalize_case(T, k, H, seed=1, row_pad=64)
+    assert y.stride(0) == H + 64
+    # [T, k] maps with row stride 2k, the other half poisoned (never read).
+    w_wide = torch.full((T, 2 * k), float("nan"), device="cuda")
+    w_wide[:, :k] = w
+    t2r_wide = torch.full((T, 2 * k), 1 << 30, dtype=torch.int32, device="cuda")
+    t2r_wide[:, :k] = t2r
+    _check_finalize(y, w_wide[:, :k], t2r_wide[:, :k])
+
+
+def test_finalize_top1_column_weights():
+    y, w, t2r = finalize_case(100, 1, 2048, seed=2)
+    # [T, 1] views whose size-1 column has a non-unit stride.
+    _check_finalize(y, w.t().contiguous().t(), t2r.t().contiguous().t())
+
+
+@pytest.mark.parametrize("k", [16, 32])
+def test_finalize_large_topk(k):
+    # k > 8: the rows go in batches of 8 loads.
+    _check_finalize(*finalize_case(257, k, 2048, seed=k, num_experts=64, alignment=16))
+    _check_finalize(*finalize_case(257, k, 2048, seed=k + 1, num_experts=64, alignment=16, shard="ep"))
+
+
+def test_finalize_zero_topk_and_all_skipped():
+    y, w, t2r = finalize_case(9, 2, 2048, seed=3)
+    out = finalize_cuda(y, w[:, :0], t2r[:, :0])
+    assert out.shape == (9, 2048) and torch.all(out == 0)
+    t2r_none = torch.full_like(t2r, -1)
+    w_nan = torch.full_like(w, float("nan"))
+    out = finalize_cuda(y, w_nan, t2r_none)
+    assert torch.equal(_bits(out), torch.zeros_like(_bits(out)))  # +0.0, like the reference
+
+
+def test_finalize_out_of_range_rows_are_skipped(monkeypatch):
+    y, w, t2r = finalize_case(50, 4, 2048, seed=4)
+    bad = t2r.clone()
+    bad[3, 1] = y.shape[0] + 5
+    bad[7, 0] = -3
+    expected = finalize_ref(y, w, torch.where((bad >= 0) & (bad < y.shape[0]), bad, -1))
+    w_nan = w.clone()
+    w_nan[3, 1] = w_nan[7, 0] = float("nan")
+    out = finalize_cuda(y, w_nan, bad)
+    assert torch.equal(_bits(out), _bits(expected))
+    monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
+    with pytest.raises(ValueError, match="token_to_row"):
+        finalize_cuda(y, w, bad)
+
+
+def test_finalize_rejects_unsupported_layouts():
+    y, w, t2r = finalize_case(4, 2, 2048 + 8, seed=5, row_pad=8)
+    with pytest.raises(ValueError, match="y"):
+        finalize_cuda(y[:, 4:4 + 2048], w, t2r)  # 8-byte aligned rows
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        finalize_cuda(y[:, :2044], w, t2r)
+
+
+def test_finalize_side_stream_and_cuda_graph():
+    y, w, t2r = finalize_case(64, 8, 7168, seed=6)
+    finalize_cuda(y, w, t2r)  # compile before capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = finalize_cuda(y, w, t2r)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(_bits(out), _bits(finalize_ref(y, w, t2r)))
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = finalize_cuda(y, w, t2r)
+    for seed in (7, 8):
+        y2, w2, t2r2 = finalize_case(64, 8, 7168, seed=seed)  # M_cap is a static bound: same shapes
+        y.copy_(y2)
+        w.copy_(w2)
+        t2r.copy_(t2r2)
+        out_g.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(_bits(out_g), _bits(finalize_ref(y, w, t2r)))
+
+
+# ----------------------------------------------------------------------------- moe_reduce
+
+
+def moe_reduce_case(T, k, H, dtype, seed, *, row_pad=0, device="cuda"):
+    """hidden [T, k, H] (a slice of [T, k, H + row_pad] whose pad is NaN), weights [T, k] f32."""
+    g = _gen(seed, device)
+    buf = torch.full((T, k, H + row_pad), float("nan"), device=device)
+    buf[:, :, :H] = _rows(T * k, H, g, device).reshape(T, k, H)
+    if dtype == torch.float16:
+        buf[:, :, :H] = buf[:, :, :H].clamp(-6e4, 6e4)
+    return buf.to(dtype)[:, :, :H], _weights(T, k, g, device)
+
+
+def _lowp_reduce(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """fp32_acc=False with 16-bit rows, as the kernel computes it: weights cast to the row dtype,
+    each product and each running sum rounded to it, in order j (f32 ops, then a cast)."""
+    d = hidden.dtype
+    wd = weights.to(d).float()
+    acc = torch.zeros(hidden.shape[0], hidden.shape[2], dtype=torch.float32, device=hidden.device)
+    for j in range(hidden.shape[1]):
+        prod = (wd[:, j, None] * hidden[:, j].float()).to(d).float()
+        acc = (acc + prod).to(d).float()
+    return acc.to(d)
+
+
+def _lowp_bound(hidden: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """|lowp - f32 reference| bound: the weight, product and k sum roundings of the row dtype
+    (unit roundoff u) plus the reference's own final rounding: (2k + 3) u sum_j |w_j x_j|,
+    plus subnormal slack."""
+    k = hidden.shape[1]
+    u, tiny = (2.0**-8, 2.0**-133) if hidden.dtype == torch.bfloat16 else (2.0**-11, 2.0**-24)
+    mag = (weights.double().abs()[:, :, None] * hidden.double().abs()).sum(dim=1)
+    return (2 * k + 3) * u * mag + (2 * k + 3) * tiny
+
+
+def _check_moe_reduce(hidden, weights, fp32_acc):
+    poison_allocator()
+    out = moe_reduce_cuda(hidden, weights, fp32_acc)
+    ref = moe_reduce_ref(hidden, weights, fp32_acc)
+    assert out.shape == ref.shape and out.dtype == hidden.dtype and out.is_contiguous()
+    assert not out.isnan().any(), "a pad column was read, or an output was left unwritten"
+    if fp32_acc or hidden.dtype == torch.float32:
+        assert torch.equal(_bits(out), _bits(ref)), (out.double() - ref.double()).abs().max()
+    else:
+        assert torch.equal(_bits(out), _bits(_lowp_reduce(hidden, weights)))
+        err = (out.double() - ref.double()).abs()
+        assert bool((err <= _lowp_bound(hidden, weights)).all()), err.max()
+
+
+@pytest.mark.parametrize("fp32_acc", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("H", HIDDEN)
+@pytest.mark.parametrize("k", TOPK)
+@pytest.mark.parametrize("T", TOKENS)
+def test_moe_reduce(T, k, H, dtype, fp32_acc):
+    seed = T * 1013 + k * 37 + H + 2 * fp32_acc + {torch.bfloat16: 0, torch.float16: 5, torch.float32: 9}[dtype]
+    _check_moe_reduce(*moe_reduce_case(T, k, H, dtype, seed, row_pad=64 if T == 7 else 0), fp32_acc)
+
+
+@pytest.mark.parametrize("k", [16, 32])
+def test_moe_reduce_large_topk(k):
+    _check_moe_reduce(*moe_reduce_case(100, k, 2048, torch.bfloat16, seed=k), True)
+
+
+def test_moe_reduce_top1_column_weights_and_zero_topk():
+    hidden, w = moe_reduce_case(33, 1, 4096, torch.bfloat16, seed=11)
+    _check_moe_reduce(hidden, w.t().contiguous().t(), True)
+    out = moe_reduce_cuda(hidden[:, :0], w[:, :0], False)
+    assert out.shape == (33, 4096) and torch.all(out == 0)
+
+
+def test_moe_reduce_rejects_unsupported_layouts():
+    hidden, w = moe_reduce_case(4, 2, 2048 + 8, torch.bfloat16, seed=12)
+    with pytest.raises(ValueError, match="hidden"):
+        moe_reduce_cuda(hidden[:, :, 4:4 + 2048], w, True)
+    with pytest.raises(NotImplementedError, match="multiple of 8"):
+        moe_reduce_cuda(hidden[:, :, :2044], w, True)
+    with pytest.raises(NotImplementedError, match="multiple of 4"):
+        moe_reduce_cuda(hidden.float()[:, :, :2046], w, True)
+
+
+def test_moe_reduce_cuda_graph():
+    hidden, w = moe_reduce_case(16, 8, 7168, torch.bfloat16, seed=13)
+    moe_reduce_cuda(hidden, w, True)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_g = moe_reduce_cuda(hidden, w, True)
+    for seed in (14, 15):
+        h2, w2 = moe_reduce_case(16, 8, 7168, torch.bfloat16, seed=seed)
+        hidden.copy_(h2)
+        w.copy_(w2)
+        out_g.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(_bits(out_g), _bits(moe_reduce_ref(hidden, w, True)))
