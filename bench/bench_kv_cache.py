@@ -20,6 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import cute_moe  # noqa: E402
+from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda  # noqa: E402
 from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
 from timing import Timer  # noqa: E402
@@ -38,6 +39,7 @@ WORKLOADS = {  # name: q_lens, histories
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_kv_cache.json"))
+    parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's bytes-in-flight knob")
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
@@ -62,6 +64,21 @@ def main() -> None:
     for r in rows:
         print(f"{r['config']:<28} {r['workload']:<14} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['amortized_us']:>9.2f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
+    if args.sweep:
+        print("\nsweep of bytes in flight per lane (kernel module called directly; amortized us / %copy):")
+        for cname, (heads, dim, with_v) in CONFIGS.items():
+            for wname in ("decode B=64", "prefill 65536"):
+                q_lens, hist = WORKLOADS[wname]
+                case = make_kv_case(q_lens, hist, heads, dim, with_v=with_v, block_size=64)
+                sides = 2 if with_v else 1
+                nbytes = sides * sum(q_lens) * heads * (dim * 2 + dim + dim // 128 * 4)
+                cells = []
+                for b in (32, 64, 128, 256):
+                    def call(b=b):
+                        fill_kv_cache_fp8_cuda(*case.args(), 128, None, "bshd", bytes_in_flight=b)
+                    us = timer.graph_amortized_us(call) if sum(q_lens) < 1024 else timer.graph_us(call)
+                    cells.append(f"{b}B: {us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.0f}%")
+                print(f"  {cname:<28} {wname:<14} " + "  ".join(cells))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

@@ -236,8 +236,9 @@ def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Te
     Args:
         hidden: ``[T, k, H]`` bf16, fp16 or f32.
         weights: ``[T, k]`` f32.
-        fp32_acc: accumulate in f32 (else in hidden's dtype on the GPU; the CPU reference always
-            accumulates in f32).
+        fp32_acc: accumulate in f32; else, for 16-bit hidden, as lmdeploy does: the weights cast
+            to hidden's dtype and every product and running sum rounded to it, in order j
+            (on every device).
 
     Returns:
         ``out``: ``[T, H]`` in hidden's dtype.

@@ -337,7 +337,12 @@ def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
 
 
-_no_cuda_kernel(finalize, "finalize", V.validate_finalize)
+@finalize.register_kernel("cuda")
+def _finalize_cuda(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
+    V.validate_finalize(y, topk_weights, token_to_row)
+    from cute_moe.kernels.finalize import finalize_cuda
+
+    return finalize_cuda(y, topk_weights, token_to_row)
 
 
 @finalize.register_fake
@@ -351,7 +356,12 @@ def moe_reduce(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tenso
     return R.moe_reduce_ref(hidden, weights, fp32_acc).contiguous()
 
 
-_no_cuda_kernel(moe_reduce, "moe_reduce", V.validate_moe_reduce)
+@moe_reduce.register_kernel("cuda")
+def _moe_reduce_cuda(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tensor:
+    V.validate_moe_reduce(hidden, weights, fp32_acc)
+    from cute_moe.kernels.moe_reduce import moe_reduce_cuda
+
+    return moe_reduce_cuda(hidden, weights, fp32_acc)
 
 
 @moe_reduce.register_fake

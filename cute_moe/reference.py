@@ -335,11 +335,19 @@ def finalize_ref(y: torch.Tensor, topk_weights: torch.Tensor, token_to_row: torc
 
 
 def moe_reduce_ref(hidden: torch.Tensor, weights: torch.Tensor, fp32_acc: bool = False) -> torch.Tensor:
-    """lmdeploy-style reduce: out[t] = sum_j weights[t, j] * hidden[t, j] in hidden's dtype.
+    """lmdeploy-style reduce: out[t] = sum_j weights[t, j] * hidden[t, j], output in hidden's dtype.
 
-    The reference always accumulates in f32 (fp32_acc only affects the kernels).
+    fp32_acc=True (or f32 hidden): f32 products and sums in order j, one final rounding.
+    fp32_acc=False with 16-bit hidden, as lmdeploy: the weights cast to hidden's dtype and
+    every product and running sum rounded to it, in order j (torch's 16-bit arithmetic).
     """
-    return _weighted_sum(lambda j: hidden[:, j].float(), weights, hidden.shape[2], hidden.device).to(hidden.dtype)
+    if fp32_acc or hidden.dtype == torch.float32:
+        return _weighted_sum(lambda j: hidden[:, j].float(), weights, hidden.shape[2], hidden.device).to(hidden.dtype)
+    w = weights.to(hidden.dtype)
+    acc = torch.zeros(hidden.shape[0], hidden.shape[2], dtype=hidden.dtype, device=hidden.device)
+    for j in range(hidden.shape[1]):
+        acc = acc + w[:, j : j + 1] * hidden[:, j]
+    return acc
 
 
 def fused_moe_routed_ref(

@@ -539,12 +539,23 @@ def test_finalize_vs_naive():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("fp32_acc", [False, True])
 def test_moe_reduce_vs_naive(dtype, fp32_acc):
-    # the reference accumulates in f32 either way: equal to the naive f32 loop, cast once
+    # f32 accumulation: the naive f32 loop, cast once. 16-bit accumulation (lmdeploy's
+    # fp32_acc=False): element by element, each product and sum rounded to the dtype.
     T, k, H = 5, 4, 96
     hidden = randn(T, k, H, seed=50, dtype=dtype)
     w = torch.rand(T, k, generator=gen(51))
     out = R.moe_reduce_ref(hidden, w, fp32_acc)
-    want = torch.stack([sum((w[t, j] * hidden[t, j].float() for j in range(k)), torch.zeros(H)) for t in range(T)])
+    if fp32_acc or dtype == torch.float32:
+        want = torch.stack([sum((w[t, j] * hidden[t, j].float() for j in range(k)), torch.zeros(H)) for t in range(T)])
+    else:
+        rnd = lambda v: torch.tensor(v, dtype=torch.float32).to(dtype).item()  # noqa: E731
+        want = torch.tensor([[0.0] * H] * T)
+        for t in range(T):
+            for h in range(H):
+                acc = 0.0
+                for j in range(k):
+                    acc = rnd(acc + rnd(rnd(w[t, j].item()) * hidden[t, j, h].item()))
+                want[t, h] = acc
     assert out.dtype == dtype and out.shape == (T, H)
     torch.testing.assert_close(out, want.to(dtype), rtol=0, atol=0)
     assert R.moe_reduce_ref(hidden[:0], w[:0]).shape == (0, H)

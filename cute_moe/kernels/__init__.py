@@ -9,4 +9,6 @@ such module exposes ``inspect_variants(arch) -> [(name, compiled_fn)]``.
 KERNEL_MODULES = {
     "quant_fp8": "cute_moe.kernels.quant_fp8",
     "fill_kv_cache_fp8": "cute_moe.kernels.fill_kv_cache_fp8",
+    "finalize": "cute_moe.kernels.finalize",
+    "moe_reduce": "cute_moe.kernels.moe_reduce",
 }

@@ -20,14 +20,15 @@ and block size), whose addressing folds into a few adds; any other strides get
 the variant with every stride a runtime value.
 
 Mapping: a warp owns a few consecutive tokens (enough that each lane has about
-64 bytes of loads of one side in flight: 1 token for Llama-style, 2 for MLA).
+128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only).
 For each token the warp finds its sequence by counting ``cu_seqlens_q[1:] <= t``
 (each lane counts a strided share, then a warp sum: independent loads instead of
-a dependent binary search, so decode stays at one memory round trip), then its
-(block, slot), while its states are already being loaded.  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
+a dependent binary search; the lane holding the token's sequence keeps its
+bounds and length for a shuffle), then reads the block table: two memory round
+trips, overlapped with the loads of the token's states.  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
 pass (``L`` lanes per group, 16 bytes per lane per load); with the head count a
-compile-time constant every pass unrolls, and all K loads of the warp's tokens
-are issued first, before the destination look-ups and any math; V follows K.  The floor is HBM bandwidth: read K and V once,
+compile-time constant every pass unrolls, and all loads of the warp's tokens are
+issued first, before the destination look-ups and any math.  The floor is HBM bandwidth: read K and V once,
 write codes and scales once.
 
 Constraints (``FillKvCacheFp8Kernel.can_implement``): states bf16/fp16/f32 with
@@ -48,7 +49,7 @@ from .fp8_group import lanes_per_group, quantize_group_fp8
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4
-_BYTES_IN_FLIGHT_PER_LANE = 64  # per side, a warp batches tokens until its lanes hold this much
+BYTES_IN_FLIGHT_PER_LANE = 128  # default: a warp batches tokens until its lanes' loads reach this
 
 
 class FillKvCacheFp8Kernel:
@@ -58,7 +59,10 @@ class FillKvCacheFp8Kernel:
     unrolls completely, so every load of a warp's tokens is issued before any math.
     """
 
-    def __init__(self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool):
+    def __init__(
+        self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
+        bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
+    ):  # fmt: skip
         self.dtype = dtype
         self.heads = heads
         self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
@@ -67,8 +71,12 @@ class FillKvCacheFp8Kernel:
         self.lanes = lanes_per_group(dtype.width // 8, group_size)
         self.elems_per_lane = group_size // self.lanes
         self.groups_per_pass = 32 // self.lanes
-        lane_bytes_per_token = self.passes(head_dim) * self.elems_per_lane * dtype.width // 8
-        self.tokens_per_warp = max(1, min(8, _BYTES_IN_FLIGHT_PER_LANE // lane_bytes_per_token))
+        side_bytes = [self.passes(d) * self.elems_per_lane * dtype.width // 8 for d in self.head_dims]
+        self.tokens_per_warp = max(1, min(8, bytes_in_flight // sum(side_bytes)))
+        # Both sides' loads up front when they fit the budget together (one token of Llama-style
+        # K+V): the V loads then overlap the destination look-up too, which decode needs.
+        # Otherwise K's, then V's, which keeps registers (and so occupancy) in check.
+        self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= bytes_in_flight
         self.tokens_per_cta = self.tokens_per_warp * _WARPS_PER_CTA
 
     def passes(self, head_dim: int) -> int:
@@ -109,71 +117,88 @@ class FillKvCacheFp8Kernel:
 
         # K, then V: all of a side's loads for the warp's tokens are issued first. The first
         # side's loads depend on the token index only, so they are in flight while the warp
-        # works out where its tokens go. Tokens past the end read as zeros, so that all
-        # lanes still join the amax shuffles.
+        # works out where its tokens go. Loads are never predicated: a token past the end
+        # re-reads the last token and a lane group past the last group re-reads it, so that
+        # all lanes join the amax shuffles; only the stores are predicated.
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         store = cute.make_copy_atom(
             cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
         )
         blocks, slots = None, None
-        for mX, mC, mS, head_dim in sides:
+        batches = [sides] if cutlass.const_expr(self.sides_together) else [[side] for side in sides]
+        for batch in batches:
             loaded = []
-            for w in cutlass.range_constexpr(self.tokens_per_warp):
-                for p in cutlass.range_constexpr(self.passes(head_dim)):
-                    head, group, ok = self.unit(p, head_dim, lane)
-                    rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-                    rX.fill(0.0)
-                    if first_token + w < mK.shape[0] and ok:
+            for mX, _, _, head_dim in batch:
+                for w in cutlass.range_constexpr(self.tokens_per_warp):
+                    for p in cutlass.range_constexpr(self.passes(head_dim)):
+                        head, group, _ = self.unit(p, head_dim, lane)
+                        token = cutlass.min(first_token + w, mK.shape[0] - 1)
                         chunk = group * self.lanes + lane % self.lanes
-                        src = cute.local_tile(mX[first_token + w, head, None], (self.elems_per_lane,), (chunk,))
-                        cute.copy(load, src, rX)
-                    loaded.append(rX)
+                        rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+                        cute.copy(load, cute.local_tile(mX[token, head, None], (self.elems_per_lane,), (chunk,)), rX)
+                        loaded.append(rX)
             if cutlass.const_expr(blocks is None):
                 blocks, slots = self.destinations(mCu, mKvLen, mBlk, mKC, mK.shape[0], first_token, lane)
             i = 0
-            for w in cutlass.range_constexpr(self.tokens_per_warp):
-                for p in cutlass.range_constexpr(self.passes(head_dim)):
-                    head, group, ok = self.unit(p, head_dim, lane)
-                    rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
-                    scale = quantize_group_fp8(loaded[i], rQ, self.lanes, self.ue8m0)
-                    i += 1
-                    if blocks[w] >= 0 and ok:
-                        chunk = group * self.lanes + lane % self.lanes
-                        dst = cute.local_tile(mC[blocks[w], slots[w], head, None], (self.elems_per_lane,), (chunk,))
-                        cute.copy(store, rQ, dst)
-                        if lane % self.lanes == 0:
-                            mS[blocks[w], slots[w], head, group] = scale
+            for _, mC, mS, head_dim in batch:
+                for w in cutlass.range_constexpr(self.tokens_per_warp):
+                    for p in cutlass.range_constexpr(self.passes(head_dim)):
+                        head, group, ok = self.unit(p, head_dim, lane)
+                        rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+                        scale = quantize_group_fp8(loaded[i], rQ, self.lanes, self.ue8m0)
+                        i += 1
+                        if blocks[w] >= 0 and ok:
+                            chunk = group * self.lanes + lane % self.lanes
+                            dst = cute.local_tile(mC[blocks[w], slots[w], head, None], (self.elems_per_lane,), (chunk,))
+                            cute.copy(store, rQ, dst)
+                            if lane % self.lanes == 0:
+                                mS[blocks[w], slots[w], head, group] = scale
 
     @cute.jit
     def unit(self, p: cutlass.Constexpr, head_dim: cutlass.Constexpr, lane):
-        """(head, group, in range) of the group this lane's lane-group covers in pass p."""
+        """(head, group, in range) of the group this lane's lane-group covers in pass p; a lane
+        group past the token's last group is pointed at that group (its stores are skipped)."""
         groups_per_head = head_dim // self.group_size
+        num_groups = self.heads * groups_per_head
         g = p * self.groups_per_pass + lane // self.lanes
-        return g // groups_per_head, g % groups_per_head, g < self.heads * groups_per_head
+        in_range = g < num_groups
+        if cutlass.const_expr(num_groups % self.groups_per_pass != 0):
+            g = cutlass.min(g, num_groups - 1)
+        return g // groups_per_head, g % groups_per_head, in_range
 
     @cute.jit
     def destinations(self, mCu, mKvLen, mBlk, mKC, num_tokens, first_token, lane):
         """(block, slot) of each of the warp's tokens; block -1 when a token is not written."""
         # A token's sequence: how many sequence ends cu_seqlens_q[1..B] are <= token. Each lane
-        # counts a strided share for all the warp's tokens at once (independent loads, one
-        # memory round trip), then a warp sum per token.
+        # counts a strided share for all the warp's tokens at once, then a warp sum per token.
+        # In the same pass the lane whose sequence holds the token keeps that sequence's
+        # (q_start, q_end, kv_len), broadcast afterwards by a shuffle: one round trip to
+        # memory instead of two before the block-table read.
         num_seqs = mCu.shape[0] - 1
         counts = cute.make_rmem_tensor((self.tokens_per_warp,), Int32)
         counts.fill(0)
+        found = cute.make_rmem_tensor((self.tokens_per_warp, 3), Int32)
+        found.fill(0)
         for i in range(lane, num_seqs, 32):
-            seq_end = mCu[i + 1]
+            q_start, q_end, kv_len = mCu[i], mCu[i + 1], mKvLen[i]
             for w in cutlass.range_constexpr(self.tokens_per_warp):
-                if seq_end <= first_token + w:
+                token = first_token + w
+                if q_end <= token:
                     counts[w] = counts[w] + 1
+                if q_start <= token and token < q_end:
+                    found[w, 0], found[w, 1], found[w, 2] = q_start, q_end, kv_len
         blocks, slots = [], []
         block_size = mKC.shape[1]
         for w in cutlass.range_constexpr(self.tokens_per_warp):
             token = first_token + w
             seq = cute.arch.warp_reduction_sum(counts[w])
+            owner = seq % 32
+            q_start = cute.arch.shuffle_sync(found[w, 0], owner)
+            q_end = cute.arch.shuffle_sync(found[w, 1], owner)
+            kv_len = cute.arch.shuffle_sync(found[w, 2], owner)
             block, slot = Int32(-1), Int32(0)
             if token < num_tokens and seq < num_seqs:
-                q_start = mCu[seq]
-                pos = mKvLen[seq] - (mCu[seq + 1] - q_start) + (token - q_start)
+                pos = kv_len - (q_end - q_start) + (token - q_start)
                 if pos >= 0 and pos // block_size < mBlk.shape[1]:
                     candidate = mBlk[seq, pos // block_size]
                     if candidate >= 0 and candidate < mKC.shape[0]:
@@ -218,7 +243,7 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 @cached_compile
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
-    keep_cubin: bool = False,
+    keep_cubin: bool = False, bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
     (``contiguous``: None, or (layout, block_size) for the static-stride variant)."""
@@ -232,7 +257,7 @@ def compile_fill_kv_cache_fp8(
     cu = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
-    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0)
+    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, bytes_in_flight)
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -261,8 +286,10 @@ def _debug_check_block_ids(block_offsets: torch.Tensor, num_blocks: int) -> None
 def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
+    bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
 ) -> None:  # fmt: skip
-    """Launch on the states' device and current stream; inputs already validated by the op layer."""
+    """Launch on the states' device and current stream; inputs already validated by the op layer.
+    ``bytes_in_flight`` is a tuning knob for benchmarks (the op uses the default)."""
     head_dim_v = None if v_states is None else v_states.shape[2]
     reason = FillKvCacheFp8Kernel.can_implement(k_states.dtype, k_states.shape[2], head_dim_v, group_size)
     if reason is not None:
@@ -288,7 +315,7 @@ def fill_kv_cache_fp8_cuda(
             contiguous = None
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
-        contiguous, arch_of_device(k_states.device),
+        contiguous, arch_of_device(k_states.device), False, bytes_in_flight,
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 

@@ -15,17 +15,24 @@ on the CPU and on the GPU (``acc + w * y`` is two torch kernels there), so the
 output is bit-identical.  No atomics: each output element is written by one
 thread, so the result is deterministic.
 
-Mapping: grid ``(T, slabs)``; a CTA of 128 threads handles one token and one
-slab of ``128 * V`` 16-byte column vectors (``V * 1024`` columns).  Each warp
-reads the token's ``k`` indices and weights once (lane ``j`` loads entry ``j``:
-two coalesced loads) and broadcasts them with shuffles.  Each thread then issues
-all its row loads -- ``V`` vectors of every one of the ``k`` rows, up to 8
-16-byte loads, predicated on the row being valid -- before any math, then
-accumulates in order ``j`` and stores ``V`` 16-byte vectors of ``out``.  ``V =
-max(1, 8 // k)`` keeps about eight loads in flight per thread whatever ``k``;
-for ``k > 8`` the rows go in batches of 8 (loads of a batch, then its math).
-No shared memory, no synchronisation: the floor is HBM bandwidth (read ``k``
-rows of ``y`` per token, write one row of ``out``).
+Mapping (shared with ``moe_reduce``, in ``reduce_common``): grid ``(T, slabs)``;
+a CTA of 128 threads handles one token and one slab of ``128 * V`` 16-byte
+column vectors (``1024 * V`` columns), ``V = max(1, 4 // k)`` vectors per thread
+per row.  Each warp reads the token's ``k`` indices and weights once (lane ``j``
+loads entry ``j``: two coalesced loads) and broadcasts them with shuffles.  Each
+thread then issues all its row loads -- ``V`` vectors of each of the ``k`` rows,
+16 bytes each, predicated on the row being valid (a skipped row is never
+dereferenced) -- before any math, accumulates in order ``j`` and stores ``V``
+16-byte vectors of ``out``.  For ``k > 8`` the rows go in batches of 8 (all
+loads of a batch, then its math).  Two details keep the loads in flight (see
+``reduce_common``): the loads are predicated ``ld.global.v4`` in inline PTX
+rather than a copy under a branch, and every weight of a batch is made to
+depend on every load of the batch (an OR with an opaque zero), otherwise ptxas
+sinks the loads between the rows' math to fit in 32 registers and keeps only
+two in flight.  With ``k = 8``: eight 16-byte loads in flight per thread, 56
+registers, 9 CTAs (1152 threads, about 144 KB of loads) per SM.  No shared
+memory, no synchronisation: the floor is HBM bandwidth (read ``k`` rows of
+``y`` plus ``k`` indices and weights per token, write one row of ``out``).
 
 Constraints (``FinalizeKernel.can_implement`` and the launch function): y bf16
 with unit column stride and a 16-byte aligned base and row stride; ``H % 8 ==
@@ -51,7 +58,6 @@ from .reduce_common import (
     check_rows_16b,
     check_slabs,
     opaque_zero,
-    unit_last_stride,
     vectors_per_thread,
     warp_entries,
     weighted_row_sum,
@@ -150,8 +156,10 @@ def finalize_cuda(y: torch.Tensor, topk_weights: torch.Tensor, token_to_row: tor
     check_slabs("finalize", H, FinalizeKernel.cols_per_cta_for(k))
     if os.environ.get("CUTE_MOE_DEBUG") == "1":
         _debug_check_rows(token_to_row, y.shape[0])
+    if y.shape[0] == 0:  # no row to read: every entry is skipped
+        return out.zero_()
     fn = compile_finalize(k, arch_of_device(y.device))
-    fn(y, unit_last_stride(topk_weights), unit_last_stride(token_to_row), out)
+    fn(y, topk_weights, token_to_row, out)
     return out
 
 

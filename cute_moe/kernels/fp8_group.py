@@ -30,7 +30,7 @@ _F32_MANTISSA_MASK = 0x007FFFFF
 def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexpr, ue8m0: cutlass.Constexpr) -> Float32:
     """rX (registers, any float type) -> rQ (registers, e4m3); returns the group's scale."""
     n = cute.size(rX)
-    x = rX.load().to(Float32)
+    x = _to_f32(rX)
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(n):
         amax = cute.arch.fmax(amax, abs(x[i]))
@@ -60,6 +60,21 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
     # finite inputs, which the ops require.
     rQ.store(rY.load().to(cutlass.Float8E4M3FN))
     return scale
+
+
+@cute.jit
+def _to_f32(rX: cute.Tensor):
+    """Registers -> f32 vector. bf16 pairs widen with one integer op per element (the
+    generic conversion spends two: a byte permute, then a shift)."""
+    if cutlass.const_expr(rX.element_type == cutlass.BFloat16):
+        n = cute.size(rX)
+        pairs = rX.load().bitcast(Int32)
+        rF = cute.make_rmem_tensor((n,), Float32)
+        for i in cutlass.range_constexpr(n // 2):
+            rF[2 * i] = (pairs[i] << 16).bitcast(Float32)
+            rF[2 * i + 1] = (pairs[i] & Int32(-65536)).bitcast(Float32)
+        return rF.load()
+    return rX.load().to(Float32)
 
 
 @cute.jit

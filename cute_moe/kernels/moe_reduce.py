@@ -17,12 +17,13 @@ Math, per token ``t`` and column ``h``, ``D`` being hidden's dtype (bf16, fp16, 
       for j in 0..k-1:  acc = f32(D(RN32(acc + f32(D(RN32(wd * f32(hidden[t, j, h])))))))
       out[t, h] = D(acc)
 
-  Every step is the correctly rounded ``D`` operation (the f32 product of two ``D``
-  values is exact, and f32 has more than ``2p + 2`` bits for ``D``'s ``p``, so
-  rounding the f32 sum again to ``D`` is exact rounding).  lmdeploy sums the ``k``
-  products with ``tl.sum`` in an order Triton picks; this kernel sums in order ``j``.
-  The result differs from the f32 reference by the accumulated ``D`` roundings (up
-  to about ``(2k + 1)`` half-ulps of ``D`` relative to ``sum |w x|``).
+  ``reference.moe_reduce_ref`` computes the same with torch's 16-bit arithmetic. This
+  is ``D`` arithmetic done in f32: the product of two ``D`` values is exact in
+  f32 (bar bf16 products below f32's normal range), and rounding an f32 sum again to
+  ``D`` equals rounding the exact sum (f32 has at least ``2p + 2`` bits for ``D``'s
+  ``p``).  lmdeploy sums the ``k`` products with ``tl.sum`` in an order Triton picks;
+  this kernel sums in order ``j``, so it matches lmdeploy's rounding model, not its
+  bits.
 
 Mapping: as ``finalize`` (``reduce_common``): grid ``(T, slabs)``, a CTA of 128
 threads per token and slab of ``128 * V`` 16-byte column vectors, the ``k``
@@ -52,7 +53,6 @@ from .reduce_common import (
     check_rows_16b,
     check_slabs,
     opaque_zero,
-    unit_last_stride,
     vectors_per_thread,
     warp_entries,
     weighted_row_sum,
@@ -143,7 +143,7 @@ def moe_reduce_cuda(hidden: torch.Tensor, weights: torch.Tensor, fp32_acc: bool 
     # f32 rows: both modes are the same f32 accumulation; one compiled variant.
     fp32_acc = bool(fp32_acc) or hidden.dtype == torch.float32
     fn = compile_moe_reduce(hidden.dtype, k, fp32_acc, arch_of_device(hidden.device))
-    fn(hidden, unit_last_stride(weights), out)
+    fn(hidden, weights, out)
     return out
 
 

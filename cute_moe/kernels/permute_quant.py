@@ -17,21 +17,30 @@ other than -1 is outside the op's contract; the kernels treat it as padding
 rather than read out of bounds.  Scales are written MN-major (``a_scale[r, g]``
 at ``g * M_cap + r``).
 
-Mapping (both kernels, as in ``quant_fp8``): one (row, group of 128 columns)
-is handled by ``L`` consecutive lanes, each owning 16 bytes of input (bf16/fp16:
-``L = 16`` lanes of 8 elements; fp8: ``L = 8`` lanes of 16 codes).  A CTA of 256
-threads covers ``256 / L`` rows per pass and 4 passes, i.e. 64 (bf16) or 128
-(fp8) consecutive output rows of one group column; the grid is
+Mapping (both kernels): one (row, group of 128 columns) is handled by ``L``
+consecutive lanes, each owning 16 bytes of input (bf16/fp16: ``L = 16`` lanes of
+8 elements; fp8: ``L = 8`` lanes of 16 codes), as in ``quant_fp8``.  A CTA of 256
+threads covers ``256 / L`` groups of lanes, each doing 4 consecutive output rows
+of one group column: 64 (bf16) or 128 (fp8) rows per CTA; the grid is
 ``(H / 128, ceil(M_cap / rows_per_cta))`` with group columns fastest, so
-neighbouring CTAs read neighbouring bytes of the same source rows.  Each thread
-first loads its 4 rows' token ids (one broadcast LDG per row and group of
-lanes), then issues all 4 of its 16-byte row loads (and, in ``permute``, the 4
-scale loads) before any math, so 64 bytes per thread are in flight; the
-quantizer's amax is a shuffle reduction over the ``L`` lanes.  CTAs whose rows
-all lie at or past ``end`` exit at once, so the work follows the routed rows,
-not ``M_cap``.  Row blocks beyond the 65535 grid rows are covered by a
-grid-stride loop.  No shared memory, no inter-CTA communication: one read of the
-gathered rows and one write of codes and scales, so the floor is HBM bandwidth.
+neighbouring CTAs read neighbouring bytes of the same source rows.  A CTA first
+stages its rows' token ids in shared memory (one coalesced load, a barrier), so
+that every row load's address is ready at once:
+
+* ``permute_quant`` issues its 4 row loads per thread (64 bytes) as ``cp.async``
+  into per-thread shared-memory slots, waits once, then quantizes each row from
+  its slot (amax: shuffle reduction over the ``L`` lanes).  With plain loads
+  ptxas interleaves the dependent gathers with the quantizer math (measured in
+  the SASS: one or two loads in flight); ``cp.async`` keeps all four in flight
+  and the data out of registers (32-36 registers).
+* ``permute`` has no math between its loads: 4 codes loads (16 bytes each) and 4
+  scale loads per thread are all issued before the first store.
+
+Padding rows are never loaded.  CTAs whose rows all lie at or past ``end`` exit
+at once, so the work follows the routed rows, not ``M_cap``; row blocks beyond
+the 65535 grid rows are covered by a grid-stride loop.  No inter-CTA
+communication: one read of the gathered rows and one write of codes and scales,
+so the floor is HBM bandwidth.
 
 Constraints (``can_implement``): x bf16/fp16 (``permute_quant``), a_in
 float8_e4m3fn (``permute``); H a multiple of 128; unit column stride with a
@@ -71,11 +80,6 @@ class _RowGatherBase:
         self.rows_per_pass = self.num_threads // self.lanes
         self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
 
-    @classmethod
-    def grid(cls, elem_bytes: int, m_cap: int, h: int) -> tuple[int, int]:
-        rows_per_cta = cls.num_threads // lanes_per_group(elem_bytes, GROUP) * cls.rows_per_thread
-        return h // GROUP, min(-(-m_cap // rows_per_cta), _MAX_GRID_Y)
-
     @cute.jit
     def stage_tokens(self, mR2T: cute.Tensor, sTok: cute.Tensor, first_cta_row, end, num_tokens, tidx):
         """The CTA's row_to_token slice into shared memory, one coalesced load; -1 marks padding,
@@ -89,24 +93,21 @@ class _RowGatherBase:
         cute.arch.sync_threads()
 
     @cute.jit
-    def row_sources(self, sTok: cute.Tensor, tidx):
-        """(source row, valid) for each of this thread's rows, from shared memory.
-
-        A padding row reads source row 0 (the host passes T >= 1) and its bytes are then
-        replaced: every row load is unconditional, so ptxas issues all of them before any math.
-        """
-        srcs, valids = [], []
+    def row_tokens(self, sTok: cute.Tensor, tidx):
+        """(token, valid) for each of this thread's 4 consecutive rows (one 16-byte shared load)."""
+        toks, valids = [], []
         for u in cutlass.range_constexpr(self.rows_per_thread):
             tok = sTok[(tidx // self.lanes) * self.rows_per_thread + u]
-            srcs.append(cutlass.max(tok, Int32(0)))
+            toks.append(tok)
             valids.append(tok >= 0)
         cute.arch.sync_threads()  # sTok is rewritten by the next grid-stride iteration
-        return srcs, valids
+        return toks, valids
 
     def alloc_tokens(self, smem):
-        return smem.allocate_tensor(
-            Int32, cute.make_layout(self.rows_per_cta), byte_alignment=16
-        )
+        return smem.allocate_tensor(Int32, cute.make_layout(self.rows_per_cta), byte_alignment=16)
+
+    def smem_bytes(self) -> int:
+        return 4 * self.rows_per_cta
 
 
 class PermuteQuantKernel(_RowGatherBase):
@@ -116,6 +117,9 @@ class PermuteQuantKernel(_RowGatherBase):
         super().__init__(dtype.width // 8)
         self.dtype = dtype
         self.ue8m0 = ue8m0
+
+    def smem_bytes(self) -> int:
+        return super().smem_bytes() + 16 * self.num_threads * self.rows_per_thread
 
     @staticmethod
     def can_implement(dtype: torch.dtype, hidden: int) -> str | None:
@@ -153,22 +157,20 @@ class PermuteQuantKernel(_RowGatherBase):
         )
         smem = cutlass.utils.SmemAllocator()
         sTok = self.alloc_tokens(smem)
-        sX = smem.allocate_tensor(
-            self.dtype,
-            cute.make_layout(
-                (self.elems_per_lane, self.num_threads, self.rows_per_thread),
-                stride=(1, self.elems_per_lane, self.elems_per_lane * self.num_threads),
-            ),
-            byte_alignment=16,
+        slots = cute.make_layout(
+            (self.elems_per_lane, self.num_threads, self.rows_per_thread),
+            stride=(1, self.elems_per_lane, self.elems_per_lane * self.num_threads),
         )
+        sX = smem.allocate_tensor(self.dtype, slots, byte_alignment=16)
         # Row blocks at or past end do no iteration: the CTA exits.
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
             self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mX.shape[0], tidx)
-            srcs, valids = self.row_sources(sTok, tidx)
+            toks, valids = self.row_tokens(sTok, tidx)
             for u in cutlass.range_constexpr(self.rows_per_thread):
                 if valids[u]:
-                    cute.copy(g2s, cute.local_tile(mX[srcs[u], None], (self.elems_per_lane,), (chunk,)), sX[None, tidx, u])
+                    src = cute.local_tile(mX[toks[u], None], (self.elems_per_lane,), (chunk,))
+                    cute.copy(g2s, src, sX[None, tidx, u])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             for u in cutlass.range_constexpr(self.rows_per_thread):
@@ -221,15 +223,15 @@ class PermuteKernel(_RowGatherBase):
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
             self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mA.shape[0], tidx)
-            srcs, valids = self.row_sources(sTok, tidx)
+            toks, valids = self.row_tokens(sTok, tidx)
             rAs, scales = [], []
             for u in cutlass.range_constexpr(self.rows_per_thread):
                 rA = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Uint8)
-                rA.fill(0)  # padding: codes 0, scale 1.0
+                rA.fill(0)  # padding: codes 0 and scale 1.0, as reference.permute_ref
                 scale = Float32(1.0)
                 if valids[u]:
-                    cute.copy(copy, cute.local_tile(mA[srcs[u], None], (self.elems_per_lane,), (chunk,)), rA)
-                    scale = mSin[srcs[u], group]
+                    cute.copy(copy, cute.local_tile(mA[toks[u], None], (self.elems_per_lane,), (chunk,)), rA)
+                    scale = mSin[toks[u], group]
                 rAs.append(rA)
                 scales.append(scale)
             for u in cutlass.range_constexpr(self.rows_per_thread):
@@ -282,7 +284,8 @@ def _empty_outputs(like: torch.Tensor, m_cap: int, hidden: int):
 
 
 def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
-    """A T = 0 source still needs a real tensor for the call: one zero row, never read (every row is padding)."""
+    """With T = 0 every row is padding and the source is never read; the call still gets a
+    one-row tensor rather than an empty one."""
     return t if t.shape[0] else t.new_zeros((1, t.shape[1]))
 
 
@@ -311,16 +314,22 @@ def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: tor
     a, a_scale = _empty_outputs(a_in, m_cap, hidden)
     if m_cap == 0 or hidden == 0:
         return a, a_scale
+    codes = a_in.view(torch.uint8)
     if a_in.shape[0] == 0:
-        a_in, a_in_scale = _nonempty_rows(a_in), a_in_scale.new_ones((1, a_in_scale.shape[1]))
+        codes, a_in_scale = _nonempty_rows(codes), a_in_scale.new_ones((1, a_in_scale.shape[1]))
     fn = compile_permute(arch_of_device(a_in.device))
-    fn(a_in.view(torch.uint8), a_in_scale, row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
+    fn(codes, a_in_scale, row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
     return a, a_scale
 
 
 def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect permute_quant``."""
+    quant_smem = PermuteQuantKernel(torch_to_cutlass_dtype(torch.bfloat16), False).smem_bytes()
     return [
-        (f"permute_quant[bfloat16, scale_fmt={fmt}]", compile_permute_quant(torch.bfloat16, fmt == "ue8m0", arch, True), 0)
+        (
+            f"permute_quant[bfloat16, scale_fmt={fmt}]",
+            compile_permute_quant(torch.bfloat16, fmt == "ue8m0", arch, True),
+            quant_smem,
+        )
         for fmt in ("none", "ue8m0")
-    ] + [("permute[float8_e4m3fn]", compile_permute(arch, True), 0)]
+    ] + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]

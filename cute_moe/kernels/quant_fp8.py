@@ -93,14 +93,13 @@ class QuantFp8Kernel:
         )
 
         # All loads first, so rows_per_thread 16-byte loads per thread are in flight at once.
-        # Rows past M read as zeros: every lane then joins the shuffles (full-warp shfl.sync).
+        # Rows past M re-read row M-1 (no predicated loads, no zero fill): every lane then
+        # joins the shuffles (full-warp shfl.sync), and only the stores are predicated.
         rXs = []
         for u in cutlass.range_constexpr(self.rows_per_thread):
-            row = first_row + u * self.rows_per_pass
+            row = cutlass.min(first_row + u * self.rows_per_pass, mX.shape[0] - 1)
             rX = cute.make_rmem_tensor((self.elems_per_thread,), self.dtype)
-            rX.fill(0.0)
-            if row < mX.shape[0]:
-                cute.copy(load, cute.local_tile(mX[row, None], (self.elems_per_thread,), (chunk,)), rX)
+            cute.copy(load, cute.local_tile(mX[row, None], (self.elems_per_thread,), (chunk,)), rX)
             rXs.append(rX)
 
         for u in cutlass.range_constexpr(self.rows_per_thread):

@@ -192,14 +192,6 @@ def check_rows_16b(op: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    """A [T, k] tensor with stride(-1) == 1: validation lets a size-1 last dim have any stride,
-    and the kernels are compiled for a unit one (only index 0 is read then, so a view is exact)."""
-    if t.shape[-1] == 1 and t.stride(-1) != 1:
-        return t.as_strided(t.shape, (*t.stride()[:-1], 1))
-    return t
-
-
 def check_slabs(op: str, hidden: int, cols_per_cta: int) -> None:
     if -(-hidden // cols_per_cta) > _MAX_GRID_Y:
         raise ValueError(f"cute_moe.{op}: H = {hidden} is too wide (at most {_MAX_GRID_Y * cols_per_cta} columns)")

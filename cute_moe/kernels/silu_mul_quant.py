@@ -1,0 +1,275 @@
+"""SwiGLU then FP8 re-quantization (``cute_moe.silu_mul_quant``) as a CuTe DSL kernel.
+
+Math, per row ``r < end = expert_offsets[-1]`` (read on the device) and column
+``c < I``, with ``gate`` / ``up`` the two halves of ``h[r]`` (``gate_first`` picks
+the order; the host passes the two halves as strided views, so the kernel never
+sees the flag):
+
+    y = f32(silu(gate) * up),  silu(g) = g / (1 + expf(-g))    (all in f32)
+
+then ``a2[r], scale[r] = quant(y)`` per group of 128 columns with the contract's
+formula (``fp8_group.quantize_group_fp8``).  Rows ``r >= end`` are neither read
+nor written.  Scales are written MN-major (``scale[r, g]`` at ``g * M_cap + r``).
+
+Numerics, bit for bit with the reference on CUDA (``F.silu(gate.float()) * up``):
+
+* torch computes silu in f32 as ``x / (1 + ::expf(-x))``, compiled without fast
+  math.  nvcc inlines libdevice's ``expf`` and contracts its final scaling
+  multiply with the ``1 +`` into one FMA, so the denominator is
+  ``d = fma(ex2.approx.ftz(t), 2**i, 1)`` with ``t``, ``i`` from libdevice's
+  range reduction.  ``_ONE_PLUS_EXP_NEG`` is that PTX sequence, instruction for
+  instruction (read off ``nvcc -arch=sm_90a -ptx`` of the same expression; its
+  SASS is the FFMA.SAT / FFMA.RM / MUFU.EX2 / FFMA sequence of torch's kernel).
+* ``g / d`` is IEEE division (``div.rn.f32``).  Its fast path (MUFU.RCP, one
+  Newton step, quotient, one FMA residual correction; Markstein) is correctly
+  rounded whenever its operands stay in range; torch's FCHK sends the other
+  cases to a slow path.  Here the fast path is in range for every
+  ``d <= 2**126``: the reciprocal is normal, and either ``d == 2`` exactly (all
+  ``|g| < 2**-25``) or every intermediate is normal.  The residual is taken
+  negated (``d*q - g``) so that ``g = -0.0`` keeps its sign, as the slow path
+  does.  The kernel has no slow path: for ``d > 2**126`` (``g < -87.34``; ``d``
+  is clamped from +inf to FLT_MAX) the flushed reciprocal yields a zero with the
+  sign of ``g`` instead of the true ``|silu(g)| < 1.1e-36``.
+* ``silu * up`` is one f32 multiply, as torch's separate ``mul``.
+
+So ``y`` is bit-identical to the reference's except where ``g < -87.34``, where
+the kernel's ``y`` is a zero of the reference's sign instead of a value of
+magnitude below ``1.1e-36 * |up|``.  Codes and scales are still identical there
+for any ``|up| < 2e24``: such a value is below the 1e-6 amax floor, so it never
+sets the scale, and divided by any scale (>= 1e-6 / 448) it rounds to an FP8
+zero of the same sign.  The quantizer is the one ``quant_fp8`` uses, plus
+``or_sign_bits`` so that ``y = -0.0`` gives code 0x80 like the reference's true
+division.
+
+Mapping (as in ``quant_fp8``): one (row, group of 128 outputs) is handled by
+16 consecutive lanes, each owning 8 outputs, i.e. 16 bytes of gate and 16 bytes
+of up; a CTA of 256 threads covers 16 rows per pass and 4 passes (64 rows of one
+group column); the grid is ``(I / 128, ceil(M_cap / 64))``, group columns
+fastest, with a grid-stride loop past 65535 row blocks.  Each thread issues its
+8 loads of 16 bytes (128 bytes) as ``cp.async`` into per-thread shared-memory
+slots (32 KB per CTA), waits once, then computes row by row from its slots:
+with plain loads ptxas interleaves the loads with the ~25 instructions of math
+per element (seen in the SASS), and the data would occupy 32 more registers.
+Loads of rows at or past ``end`` are skipped (those rows compute on stale slots
+and store nothing), and CTAs whose rows all lie past ``end`` exit at once.
+
+Constraints (``can_implement``): h bf16 or fp16 with unit column stride, a
+16-byte aligned base and row stride (checked on the host); I a multiple of 128.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+import torch
+from cutlass.cute.nvgpu import cpasync
+from cutlass import Float32, Int32, Uint32
+
+from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from .fp8_group import lanes_per_group, quantize_group_fp8
+from .moe_rows import or_sign_bits, rows_end
+
+GROUP = 128
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+_MAX_GRID_Y = 65535
+
+# 1 + expf(-x) exactly as nvcc compiles torch's `opmath_t(1) + ::expf(-x_acc)` (libdevice expf,
+# its final multiply contracted with the add).
+_ONE_PLUS_EXP_NEG = """{
+.reg .f32 sm_n, sm_t, sm_j, sm_r, sm_s, sm_e;
+.reg .b32 sm_b;
+neg.f32 sm_n, {$r0};
+fma.rn.f32 sm_t, sm_n, 0f3BBB989D, 0f3F000000;
+cvt.sat.f32.f32 sm_t, sm_t;
+fma.rm.f32 sm_j, sm_t, 0f437C0000, 0f4B400001;
+add.rn.f32 sm_r, sm_j, 0fCB40007F;
+neg.f32 sm_r, sm_r;
+fma.rn.f32 sm_r, sm_n, 0f3FB8AA3B, sm_r;
+fma.rn.f32 sm_r, sm_n, 0f32A57060, sm_r;
+mov.b32 sm_b, sm_j;
+shl.b32 sm_b, sm_b, 23;
+mov.b32 sm_s, sm_b;
+ex2.approx.ftz.f32 sm_e, sm_r;
+fma.rn.f32 {$w0}, sm_e, sm_s, 0f3F800000;
+}"""
+_F32_MAX = 3.4028234663852886e38
+
+
+@cute.jit
+def _silu(g: Float32) -> Float32:
+    """g / (1 + expf(-g)) in f32 as torch computes it on CUDA (see the module docstring).
+
+    The division is div.rn.f32's fast path (MUFU.RCP, one Newton step, quotient, one FMA
+    residual step), correctly rounded for every denominator d <= 2**126.  The residual is
+    taken negated (d*q - g), so that g = -0.0 keeps its sign (the textbook form sums +0 and
+    -0 into +0).  For d > 2**126 (g < -87.3; d clamped from +inf to FLT_MAX) the flushed
+    reciprocal gives a zero with the sign of g instead of the true |silu(g)| < 1.1e-36.
+    """
+    d = cute.arch.inline_ptx(_ONE_PLUS_EXP_NEG, write_only_types=[Float32], read_only_args=[g])
+    d = cute.arch.fmin(d, Float32(_F32_MAX))
+    r = cute.arch.rcp_approx(d)
+    y = cute.math.fma(cute.math.fma(-d, r, Float32(1.0)), r, r)
+    q = g * y
+    return cute.math.fma(-cute.math.fma(d, q, -g), y, q)
+
+
+@cute.jit
+def silu_mul(rG: cute.Tensor, rU: cute.Tensor, rY: cute.Tensor):
+    """rY = f32(silu(rG) * rU) elementwise in registers (one f32 multiply, as torch's mul)."""
+    g, u = _widen(rG), _widen(rU)
+    for i in cutlass.range_constexpr(cute.size(rY)):
+        rY[i] = _silu(g[i]) * u[i]
+
+
+@cute.jit
+def _widen(rX: cute.Tensor):
+    """Registers of bf16 (or fp16) -> f32 values; bf16 by shift and mask, one op per value."""
+    if cutlass.const_expr(rX.element_type is cutlass.BFloat16):
+        words = cute.recast_tensor(rX, Uint32)
+        out = []
+        for w in cutlass.range_constexpr(cute.size(words)):
+            out.append((words[w] << Uint32(16)).bitcast(Float32))
+            out.append((words[w] & Uint32(0xFFFF0000)).bitcast(Float32))
+        return out
+    else:
+        return rX.load().to(Float32)
+
+
+class SiluMulQuantKernel:
+    """Static configuration: input dtype and scale format."""
+
+    num_threads = 256
+    rows_per_thread = 4
+
+    def __init__(self, dtype, ue8m0: bool):
+        self.dtype = dtype
+        self.ue8m0 = ue8m0
+        self.lanes = lanes_per_group(dtype.width // 8, GROUP)
+        self.elems_per_lane = GROUP // self.lanes
+        self.rows_per_pass = self.num_threads // self.lanes
+        self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
+
+    def smem_bytes(self) -> int:
+        return 2 * 16 * self.num_threads * self.rows_per_thread
+
+    @staticmethod
+    def can_implement(dtype: torch.dtype, inter: int) -> str | None:
+        """None when the kernel supports the configuration, else the reason."""
+        if dtype not in SUPPORTED_DTYPES:
+            return f"h dtype must be one of {SUPPORTED_DTYPES}, got {dtype}"
+        if inter % GROUP:
+            return f"I = h.shape[1] / 2 must be a multiple of {GROUP}, got {inter}"
+        return None
+
+    @cute.jit
+    def __call__(self, mG, mU, mOff, mQ, mS, stream):
+        mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
+        if grid_y > _MAX_GRID_Y:
+            grid_y = Int32(_MAX_GRID_Y)
+        self.kernel(mG, mU, mOff, mQ, mS).launch(
+            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mOff: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, bidy, _ = cute.arch.block_idx()
+        _, grid_y, _ = cute.arch.grid_dim()
+        end = rows_end(mOff, mQ.shape[0])
+        chunk = group * self.lanes + tidx % self.lanes
+        # cp.async (L2 only) into per-thread slots of shared memory: all 2 x rows_per_thread loads
+        # are issued back to back, and none of the math can be scheduled between them.
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
+        store = cute.make_copy_atom(
+            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.elems_per_lane
+        )
+        slots = cute.make_layout(
+            (self.elems_per_lane, self.num_threads, 2, self.rows_per_thread),
+            stride=(
+                1,
+                self.elems_per_lane,
+                self.elems_per_lane * self.num_threads,
+                2 * self.elems_per_lane * self.num_threads,
+            ),
+        )
+        sIn = cutlass.utils.SmemAllocator().allocate_tensor(self.dtype, slots, byte_alignment=16)
+        for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
+            first_row = block * self.rows_per_cta + tidx // self.lanes
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                row = first_row + u * self.rows_per_pass
+                if row < end:
+                    for half, mIn in enumerate((mG, mU)):
+                        src = cute.local_tile(mIn[row, None], (self.elems_per_lane,), (chunk,))
+                        cute.copy(g2s, src, sIn[None, tidx, half, u])
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            for u in cutlass.range_constexpr(self.rows_per_thread):
+                # A row at or past end computes on stale slots: its lanes still join the quantizer's
+                # shuffles (which stay within the row's lanes), and nothing of it is stored.
+                row = first_row + u * self.rows_per_pass
+                rG = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+                rU = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+                cute.autovec_copy(sIn[None, tidx, 0, u], rG)
+                cute.autovec_copy(sIn[None, tidx, 1, u], rU)
+                rY = cute.make_rmem_tensor((self.elems_per_lane,), Float32)
+                silu_mul(rG, rU, rY)
+                rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+                scale = quantize_group_fp8(rY, rQ, self.lanes, self.ue8m0)
+                if cutlass.const_expr(not self.ue8m0):
+                    or_sign_bits(rY, rQ)  # y = -0.0 -> code 0x80, as the reference's true division
+                if row < end:
+                    cute.copy(store, rQ, cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
+                    if tidx % self.lanes == 0:
+                        mS[row, group] = scale
+
+
+@cached_compile
+def compile_silu_mul_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin: bool = False):
+    """Compile for every M_cap, I, E and scale layout; the key is the scalars above."""
+    cdtype = torch_to_cutlass_dtype(dtype)
+    m, inter = cute.sym_int(), cute.sym_int()
+    row_stride = cute.sym_int64(divisibility=128 // cdtype.width)
+    mG = fake_tensor(cdtype, (m, inter), (row_stride, 1))
+    mU = fake_tensor(cdtype, (m, inter), (row_stride, 1))
+    mOff = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
+    mQ = fake_tensor(cutlass.Uint8, (m, inter), (cute.sym_int64(divisibility=16), 1))
+    mS = fake_tensor(Float32, (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()), align=4)
+    return compile_kernel(SiluMulQuantKernel(cdtype, ue8m0), mG, mU, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
+
+
+def silu_mul_quant_cuda(h: torch.Tensor, expert_offsets: torch.Tensor, gate_first: bool, scale_fmt):
+    """Launch on h's device and current stream; inputs already validated by the op layer."""
+    m_cap, inter = h.shape[0], h.shape[1] // 2
+    reason = SiluMulQuantKernel.can_implement(h.dtype, inter)
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.silu_mul_quant: no CUDA kernel for this input: {reason}")
+    if h.stride(1) != 1 or (h.stride(0) * h.element_size()) % 16 or h.data_ptr() % 16:
+        raise ValueError(
+            "cute_moe.silu_mul_quant: h must have unit column stride and a 16-byte aligned base and row stride, "
+            f"got strides {tuple(h.stride())}"
+        )
+    a2 = torch.empty((m_cap, inter), dtype=torch.float8_e4m3fn, device=h.device)
+    scale = torch.empty((inter // GROUP, m_cap), dtype=torch.float32, device=h.device).t()
+    if m_cap == 0 or inter == 0:
+        return a2, scale
+    first, second = h[:, :inter], h[:, inter:]
+    gate, up = (first, second) if gate_first else (second, first)
+    fn = compile_silu_mul_quant(h.dtype, scale_fmt == "ue8m0", arch_of_device(h.device))
+    fn(gate, up, expert_offsets, a2.view(torch.uint8), scale)
+    return a2, scale
+
+
+def inspect_variants(arch: str):
+    """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect silu_mul_quant``."""
+    return [
+        (
+            f"silu_mul_quant[bfloat16, scale_fmt={fmt}]",
+            compile_silu_mul_quant(torch.bfloat16, fmt == "ue8m0", arch, True),
+            SiluMulQuantKernel(torch_to_cutlass_dtype(torch.bfloat16), False).smem_bytes(),
+        )
+        for fmt in ("none", "ue8m0")
+    ]

@@ -1,0 +1,68 @@
+"""Random MoE routings (on the GPU) shared by the permute_quant / permute / silu_mul_quant GPU tests.
+
+Each routing is top-k expert ids run through ``reference.align_ref`` with the
+GEMM's row alignment (128), so the row maps are exactly what the pipeline hands
+the kernels: ragged segments, empty experts, one hot expert, and an
+expert-parallel shard whose non-local entries leave ``expert_offsets[-1]`` far
+below ``M_cap``.
+"""
+from __future__ import annotations
+
+import torch
+
+from cute_moe.reference import align_ref
+
+from .gpu_helpers import poison_allocator
+
+ALIGNMENT = 128
+
+# name -> (global experts E, top_k, expert_offset, local experts)
+ROUTINGS = {
+    "ragged": (32, 8, 0, 32),  # every expert gets a random share
+    "skewed": (64, 4, 0, 64),  # Zipf-like popularity: hot experts, many empty ones at small T
+    "one_expert": (8, 1, 0, 8),  # every token on the last expert: segments 0..6 empty
+    "ep_shard": (64, 8, 16, 16),  # local experts [16, 32): most entries are not local
+}
+
+
+def topk_ids(routing: str, num_tokens: int, seed: int) -> torch.Tensor:
+    """[T, k] int32 expert ids, k distinct per token, for the named routing."""
+    num_experts, k, _, _ = ROUTINGS[routing]
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if routing == "one_expert":
+        return torch.full((num_tokens, k), num_experts - 1, dtype=torch.int32, device="cuda")
+    if routing == "skewed":
+        popularity = 1.0 / torch.arange(1, num_experts + 1, device="cuda", dtype=torch.float32) ** 1.5
+        popularity = popularity[torch.randperm(num_experts, generator=g, device="cuda")]
+        if num_tokens == 0:
+            return torch.empty((0, k), dtype=torch.int32, device="cuda")
+        ids = torch.multinomial(popularity.expand(num_tokens, num_experts), k, replacement=False, generator=g)
+        return ids.to(torch.int32)
+    scores = torch.rand(num_tokens, num_experts, generator=g, device="cuda")
+    return scores.argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+
+
+def routed_maps(routing: str, num_tokens: int, seed: int):
+    """(expert_offsets [E_local + 1], row_to_token [M_cap]) for a fresh random routing."""
+    num_experts, _, expert_offset, local = ROUTINGS[routing]
+    ids = topk_ids(routing, num_tokens, seed)
+    offsets, row_to_token, _, _ = align_ref(ids, num_experts, ALIGNMENT, expert_offset, local)
+    return offsets, row_to_token
+
+
+def poison_pools(large_bytes: int) -> None:
+    """Fill the caching allocator's free memory with 0xFF (NaN for f32), in both of its pools.
+
+    ``gpu_helpers.poison_allocator`` poisons one large block; outputs under 1 MB come
+    from the small pool (2 MB segments), which this poisons too.
+    """
+    poison_allocator(large_bytes)
+    small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
+    for t in small:
+        t.fill_(0xFF)
+    del small
+
+
+def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bitwise equality of two f32 tensors of one shape (any strides)."""
+    return got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))

@@ -1,0 +1,132 @@
+"""silu_mul_quant's CuTe DSL kernel against the reference, on the GPU.
+
+``silu_mul_quant_cuda`` is called directly on h of fresh random data (magnitudes
+over six decades, so gates below -87.3 -- where the kernel returns a signed
+zero for silu instead of a value under 1.1e-36 -- are common) and routings from
+``align_ref``.  Acceptance on rows ``< expert_offsets[-1]``: codes identical on
+>= 99.99% (the kernel mirrors torch's f32 silu bit for bit elsewhere, so in
+practice 100%), scales bit-exact, nothing left unwritten (poisoned allocator);
+rows past ``expert_offsets[-1]`` are never touched.
+"""
+import pytest
+import torch
+
+from cute_moe.compiler import arch_of_device
+from cute_moe.kernels.silu_mul_quant import compile_silu_mul_quant, silu_mul_quant_cuda
+from cute_moe.reference import silu_mul_quant_ref
+
+from .gpu_helpers import code_match_fraction, random_activations
+from .moe_cases import ROUTINGS, poison_pools, routed_maps, same_bits
+
+pytestmark = pytest.mark.gpu
+
+TOKENS = [1, 7, 128, 4096]
+WIDTHS = [2048, 7168]  # 2I
+
+
+def _check(h, offsets, gate_first, scale_fmt):
+    m_cap, inter = h.shape[0], h.shape[1] // 2
+    poison_pools(m_cap * inter + (64 << 20))
+    a2, s = silu_mul_quant_cuda(h, offsets, gate_first, scale_fmt)
+    a2_ref, s_ref = silu_mul_quant_ref(h, offsets, gate_first, scale_fmt)
+    assert a2.shape == (m_cap, inter) and a2.dtype == torch.float8_e4m3fn
+    assert s.shape == (m_cap, inter // 128) and s.stride() == (1, m_cap) and s.dtype == torch.float32
+    end = min(int(offsets[-1]), m_cap)
+    assert code_match_fraction(a2[:end], a2_ref[:end]) >= 0.9999
+    assert same_bits(s[:end], s_ref[:end]), (s[:end] - s_ref[:end]).abs().max()
+    return a2, s
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_silu_mul_quant(routing, num_tokens, width, gate_first, scale_fmt):
+    seed = 3000 * num_tokens + width + 2 * gate_first + (scale_fmt is None) + 5 * list(ROUTINGS).index(routing)
+    offsets, row_to_token = routed_maps(routing, num_tokens, seed)
+    h = random_activations(row_to_token.shape[0], width, torch.bfloat16, seed=seed)
+    _check(h, offsets, gate_first, scale_fmt)
+
+
+def _special_halves():
+    """(gate, up) [16, 128] float32: gate values at the edges of the f32 silu -- signed zeros,
+    subnormals, tiny and huge values, the d > 2**126 boundary near -87.34, the expf overflow
+    near -88.72 -- against four up values (no product overflows f32)."""
+    gates = [0.0, -0.0, 1e-40, -1e-40, 2.0**-30, -(2.0**-30), 2.0**-25, -(2.0**-24), 1e-3, -1e-3,
+             1.0, -1.0, 16.0, -16.0, 17.0, -17.0, 80.0, -80.0, -87.0, -87.25, -87.3, -87.34, -87.4,
+             -87.5, -88.0, -88.5, -88.7, -88.75, -89.0, -100.0, -1000.0, -3e38, 100.0, 1e30]
+    g = torch.tensor(gates).repeat(4 * 128 // len(gates) + 1)[: 4 * 128].reshape(4, 128)
+    ups = [1.0, -1.0, 1000.0, -1e-3]
+    return g.repeat(len(ups), 1), torch.cat([torch.full_like(g, u) for u in ups])
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_silu_special_values(scale_fmt):
+    """Groups made only of special values (their scale comes from them) and groups half special,
+    half ordinary; every code and scale must equal the reference's."""
+    sg, su = _special_halves()
+    og, ou = (t.float().cpu() for t in random_activations(16, 256, torch.bfloat16, seed=31).split(128, dim=1))
+    pure = torch.cat([sg, og, su, ou], dim=1)  # I = 256: group 0 special, group 1 ordinary
+    mixed = torch.cat([sg[:, :64], og[:, :64], og[:, 64:], sg[:, 64:],
+                       su[:, :64], ou[:, :64], ou[:, 64:], su[:, 64:]], dim=1)
+    h = torch.cat([pure, mixed]).to(torch.bfloat16).cuda()
+    offsets = torch.tensor([0, h.shape[0]], dtype=torch.int32, device="cuda")
+    a2, _ = _check(h, offsets, True, scale_fmt)
+    a2_ref, _ = silu_mul_quant_ref(h, offsets, True, scale_fmt)
+    assert torch.equal(a2.view(torch.uint8), a2_ref.view(torch.uint8))
+
+
+def test_silu_rows_past_end_untouched():
+    offsets, row_to_token = routed_maps("ep_shard", 128, seed=41)
+    m_cap = row_to_token.shape[0]
+    h = random_activations(m_cap, 4096, torch.bfloat16, seed=41)
+    end = int(offsets[-1])
+    assert end < m_cap
+    a2 = torch.full((m_cap, 2048), 0xFF, dtype=torch.uint8, device="cuda")
+    s = torch.full((16, m_cap), float("nan"), device="cuda").t()
+    compile_silu_mul_quant(torch.bfloat16, False, arch_of_device(h.device))(h[:, :2048], h[:, 2048:], offsets, a2, s)
+    a2_ref, s_ref = silu_mul_quant_ref(h, offsets, True)
+    assert code_match_fraction(a2[:end], a2_ref[:end].view(torch.uint8)) >= 0.9999 and same_bits(s[:end], s_ref[:end])
+    assert bool((a2[end:] == 0xFF).all()) and bool(s[end:].isnan().all())
+
+
+def test_silu_no_rows_and_strided_h():
+    a2, s = silu_mul_quant_cuda(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"),
+                                torch.zeros(3, dtype=torch.int32, device="cuda"), True, None)
+    assert a2.shape == (0, 256) and s.shape == (0, 2)
+    base = random_activations(200, 1024 + 256, torch.bfloat16, seed=42)
+    offsets = torch.tensor([0, 128, 128, 192], dtype=torch.int32, device="cuda")
+    _check(base[:, :1024], offsets, False, "ue8m0")
+
+
+def test_silu_fp16():
+    offsets, row_to_token = routed_maps("ragged", 64, seed=43)
+    h = random_activations(row_to_token.shape[0], 2048, torch.float16, seed=43)
+    _check(h, offsets, True, None)
+
+
+def test_silu_cuda_graph_new_offsets():
+    """expert_offsets[-1] is read on the device: a captured graph follows new routings."""
+    offsets, row_to_token = routed_maps("skewed", 256, seed=44)
+    h = random_activations(row_to_token.shape[0], 4096, torch.bfloat16, seed=44)
+    silu_mul_quant_cuda(h, offsets, True, None)  # compile before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        a2, s = silu_mul_quant_cuda(h, offsets, True, None)
+    for seed in (45, 46):
+        new_offsets, _ = routed_maps("skewed", 256, seed=seed)
+        offsets.copy_(new_offsets)
+        h.copy_(random_activations(h.shape[0], 4096, torch.bfloat16, seed=seed))
+        a2.view(torch.uint8).fill_(0xFF)
+        s.fill_(float("nan"))
+        graph.replay()
+        a2_ref, s_ref = silu_mul_quant_ref(h, offsets, True)
+        end = int(offsets[-1])
+        assert code_match_fraction(a2[:end], a2_ref[:end]) == 1.0 and same_bits(s[:end], s_ref[:end])
+
+
+def test_silu_rejects_misaligned_rows():
+    h = random_activations(8, 512 + 8, torch.bfloat16, seed=47)[:, 4 : 4 + 512]
+    with pytest.raises(ValueError, match="h"):
+        silu_mul_quant_cuda(h, torch.tensor([0, 8], dtype=torch.int32, device="cuda"), True, None)
