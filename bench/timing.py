@@ -7,6 +7,7 @@ import time
 import torch
 
 _L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
+_HOST_ENQUEUE_CYCLES = 200_000  # ~100 µs of GPU busy-wait: more than any eager call's host time
 
 
 class Timer:
@@ -14,13 +15,19 @@ class Timer:
         self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
     def kernel_us(self, fn, reps: int = 100, warmup: int = 5) -> float:
-        """Median device time of fn() in µs, each run after an L2 flush."""
+        """Median device time of fn() in µs, each run after an L2 flush.
+
+        A busy-wait kernel runs between the flush and the start event, long enough for the
+        host to enqueue fn() behind it: the interval then holds fn's device work alone, not
+        the host's launch latency (which for a graph replay is a few µs).
+        """
         for _ in range(warmup):
             fn()
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
         for s, e in zip(starts, ends):
             self._flush.zero_()
+            torch.cuda._sleep(_HOST_ENQUEUE_CYCLES)
             s.record()
             fn()
             e.record()
@@ -28,7 +35,7 @@ class Timer:
         return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
     def graph_us(self, fn, reps: int = 100) -> float:
-        """Median device time of fn() captured in a CUDA graph (no launch gaps), L2 flushed."""
+        """Median device time of fn() captured in a CUDA graph (no gaps between its kernels), L2 flushed."""
         fn()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

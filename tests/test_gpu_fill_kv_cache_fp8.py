@@ -49,11 +49,12 @@ def test_llama_style(scenario, layout, scale_fmt):
     _run_and_compare(case, 128, scale_fmt, layout)
 
 
+@pytest.mark.parametrize("q_lens", [[1, 700, 1, 33], [4000, 1, 300, 7]])  # both sides of the 4096-token switch
 @pytest.mark.parametrize("group_size", [128, 512])
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
-def test_mla_k_only(group_size, layout):
-    case = make_kv_case([1, 700, 1, 33], [90, 0, 2000, 5], heads=1, head_dim=512, with_v=False,
-                        group_size=group_size, layout=layout, seed=group_size)
+def test_mla_k_only(q_lens, group_size, layout):
+    case = make_kv_case(q_lens, [90, 0, 2000, 5], heads=1, head_dim=512, with_v=False,
+                        group_size=group_size, layout=layout, seed=group_size + len(layout) + q_lens[0])
     _run_and_compare(case, group_size, "ue8m0", layout)
 
 

@@ -20,7 +20,8 @@ and block size), whose addressing folds into a few adds; any other strides get
 the variant with every stride a runtime value.
 
 Mapping: a warp owns a few consecutive tokens (enough that each lane has about
-128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only).
+128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only;
+one token below 4096 tokens, where more warps beat fewer look-ups).
 For each token the warp finds its sequence by counting ``cu_seqlens_q[1:] <= t``
 (each lane counts a strided share, then a warp sum: independent loads instead of
 a dependent binary search; the lane holding the token's sequence keeps its
@@ -49,7 +50,10 @@ from .fp8_group import lanes_per_group, quantize_group_fp8
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4
-BYTES_IN_FLIGHT_PER_LANE = 128  # default: a warp batches tokens until its lanes' loads reach this
+_BYTES_IN_FLIGHT_PER_LANE = 128  # a warp batches tokens until its lanes' loads reach this
+# Below this many tokens a warp takes one token (more warps for a small batch: decode);
+# above it, as many as _BYTES_IN_FLIGHT_PER_LANE allows (amortising the destination look-up).
+_SMALL_BATCH_TOKENS = 4096
 
 
 class FillKvCacheFp8Kernel:
@@ -61,7 +65,7 @@ class FillKvCacheFp8Kernel:
 
     def __init__(
         self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
-        bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
+        max_tokens_per_warp: int = 8,
     ):  # fmt: skip
         self.dtype = dtype
         self.heads = heads
@@ -72,11 +76,11 @@ class FillKvCacheFp8Kernel:
         self.elems_per_lane = group_size // self.lanes
         self.groups_per_pass = 32 // self.lanes
         side_bytes = [self.passes(d) * self.elems_per_lane * dtype.width // 8 for d in self.head_dims]
-        self.tokens_per_warp = max(1, min(8, bytes_in_flight // sum(side_bytes)))
+        self.tokens_per_warp = max(1, min(max_tokens_per_warp, _BYTES_IN_FLIGHT_PER_LANE // sum(side_bytes)))
         # Both sides' loads up front when they fit the budget together (one token of Llama-style
         # K+V): the V loads then overlap the destination look-up too, which decode needs.
         # Otherwise K's, then V's, which keeps registers (and so occupancy) in check.
-        self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= bytes_in_flight
+        self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= _BYTES_IN_FLIGHT_PER_LANE
         self.tokens_per_cta = self.tokens_per_warp * _WARPS_PER_CTA
 
     def passes(self, head_dim: int) -> int:
@@ -243,7 +247,7 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 @cached_compile
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
-    keep_cubin: bool = False, bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
+    keep_cubin: bool = False, max_tokens_per_warp: int = 8,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
     (``contiguous``: None, or (layout, block_size) for the static-stride variant)."""
@@ -257,7 +261,7 @@ def compile_fill_kv_cache_fp8(
     cu = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
-    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, bytes_in_flight)
+    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, max_tokens_per_warp)
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -286,10 +290,10 @@ def _debug_check_block_ids(block_offsets: torch.Tensor, num_blocks: int) -> None
 def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
-    bytes_in_flight: int = BYTES_IN_FLIGHT_PER_LANE,
+    max_tokens_per_warp: int | None = None,
 ) -> None:  # fmt: skip
     """Launch on the states' device and current stream; inputs already validated by the op layer.
-    ``bytes_in_flight`` is a tuning knob for benchmarks (the op uses the default)."""
+    ``max_tokens_per_warp`` overrides the batch-size heuristic (for benchmarks)."""
     head_dim_v = None if v_states is None else v_states.shape[2]
     reason = FillKvCacheFp8Kernel.can_implement(k_states.dtype, k_states.shape[2], head_dim_v, group_size)
     if reason is not None:
@@ -315,7 +319,8 @@ def fill_kv_cache_fp8_cuda(
             contiguous = None
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
-        contiguous, arch_of_device(k_states.device), False, bytes_in_flight,
+        contiguous, arch_of_device(k_states.device), False,
+        max_tokens_per_warp or (1 if k_states.shape[0] < _SMALL_BATCH_TOKENS else 8),
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 

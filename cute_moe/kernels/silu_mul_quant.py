@@ -20,21 +20,26 @@ Numerics, bit for bit with the reference on CUDA (``F.silu(gate.float()) * up``)
   range reduction.  ``_ONE_PLUS_EXP_NEG`` is that PTX sequence, instruction for
   instruction (read off ``nvcc -arch=sm_90a -ptx`` of the same expression; its
   SASS is the FFMA.SAT / FFMA.RM / MUFU.EX2 / FFMA sequence of torch's kernel).
-* ``g / d`` is IEEE division (``div.rn.f32``).  Its fast path (MUFU.RCP, one
-  Newton step, quotient, one FMA residual correction; Markstein) is correctly
-  rounded whenever its operands stay in range; torch's FCHK sends the other
-  cases to a slow path.  Here the fast path is in range for every
-  ``d <= 2**126``: the reciprocal is normal, and either ``d == 2`` exactly (all
-  ``|g| < 2**-25``) or every intermediate is normal.  The residual is taken
+* ``g / d`` is IEEE division (``div.rn.f32``), which ptxas expands into a fast
+  path (MUFU.RCP, one Newton step, quotient, one FMA residual correction) and a
+  slow path taken when FCHK flags the operands (zero or subnormal numerator,
+  exponents out of range).  The kernel runs the fast path's instruction
+  sequence alone, so wherever torch takes the fast path the two agree bit for
+  bit (same MUFU.RCP, same FMAs).  Where FCHK would divert torch, the fast path
+  is still exact here, for every ``d <= 2**126``: a zero or tiny numerator
+  (``|g| < 2**-25``) comes with ``d == 2`` exactly, where the refined reciprocal
+  is 0.5 and the result RN(g / 2); otherwise every intermediate stays normal, and the sequence is an
+  exact power-of-two scaling of an in-range division.  The residual is taken
   negated (``d*q - g``) so that ``g = -0.0`` keeps its sign, as the slow path
-  does.  The kernel has no slow path: for ``d > 2**126`` (``g < -87.34``; ``d``
-  is clamped from +inf to FLT_MAX) the flushed reciprocal yields a zero with the
+  does.  For ``d > 2**126`` (``g < -87.34``; ``d`` is clamped from +inf to
+  FLT_MAX) the reciprocal flushes to zero and the kernel yields a zero with the
   sign of ``g`` instead of the true ``|silu(g)| < 1.1e-36``.
 * ``silu * up`` is one f32 multiply, as torch's separate ``mul``.
 
-So ``y`` is bit-identical to the reference's except where ``g < -87.34``, where
-the kernel's ``y`` is a zero of the reference's sign instead of a value of
-magnitude below ``1.1e-36 * |up|``.  Codes and scales are still identical there
+So ``y`` is bit-identical to the reference's except for ``-88.72 < g < -87.34``,
+where the kernel's ``y`` is a zero of the reference's sign instead of a value of
+magnitude below ``1.1e-36 * |up|`` (below -88.72 torch divides by +inf and gets
+the same signed zero).  Codes and scales are still identical there
 for any ``|up| < 2e24``: such a value is below the 1e-6 amax floor, so it never
 sets the scale, and divided by any scale (>= 1e-6 / 448) it rounds to an FP8
 zero of the same sign.  The quantizer is the one ``quant_fp8`` uses, plus
@@ -98,14 +103,9 @@ _F32_MAX = 3.4028234663852886e38
 
 @cute.jit
 def _silu(g: Float32) -> Float32:
-    """g / (1 + expf(-g)) in f32 as torch computes it on CUDA (see the module docstring).
-
-    The division is div.rn.f32's fast path (MUFU.RCP, one Newton step, quotient, one FMA
-    residual step), correctly rounded for every denominator d <= 2**126.  The residual is
-    taken negated (d*q - g), so that g = -0.0 keeps its sign (the textbook form sums +0 and
-    -0 into +0).  For d > 2**126 (g < -87.3; d clamped from +inf to FLT_MAX) the flushed
-    reciprocal gives a zero with the sign of g instead of the true |silu(g)| < 1.1e-36.
-    """
+    """g / (1 + expf(-g)) in f32 as torch computes it on CUDA (see the module docstring): the
+    denominator by libdevice's expf sequence, the quotient by div.rn.f32's fast path with the
+    residual negated (keeps the sign of g = -0.0); for d > 2**126 a zero with the sign of g."""
     d = cute.arch.inline_ptx(_ONE_PLUS_EXP_NEG, write_only_types=[Float32], read_only_args=[g])
     d = cute.arch.fmin(d, Float32(_F32_MAX))
     r = cute.arch.rcp_approx(d)

@@ -1,0 +1,117 @@
+"""The permute_quant / permute and silu_mul_quant kernels compile for sm_90a and
+sm_100a with no GPU, and their SASS holds what it must.
+
+Each (module, arch) compiles in a fresh process (the DSL fixes its default
+target at import) through the module's ``inspect_variants``; the cubins are
+analysed with ``cute_moe.cubin``.  Beyond the instruction mix (FP8 conversion,
+global loads and stores, no local memory, no division slow-path CALL), the
+checks pin the two properties the kernels are built around: every row load is
+issued before the first instruction of math (the ``cp.async`` group precedes
+the first shuffle; ``permute``'s loads precede its first store), and silu's
+``expf`` is torch's libdevice sequence, once per element.
+"""
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ARCHS = ("sm_90a", "sm_100a")
+MODULES = ("cute_moe.kernels.permute_quant", "cute_moe.kernels.silu_mul_quant")
+ELEMS_PER_THREAD = 4 * 8  # 4 rows x 8 elements of 16 bytes of bf16
+
+_SCRIPT = r"""
+import json, re, sys, importlib
+from cute_moe.cubin import analyse_cubin, disassemble
+module, arch = sys.argv[1], sys.argv[2]
+op = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_x]+)*)")
+out = []
+for variant, compiled, smem in importlib.import_module(module).inspect_variants(arch):
+    sass = disassemble(compiled.artifacts.CUBIN)
+    opcodes = [m.group(1) for m in map(op.match, sass.splitlines()) if m]
+    for report in analyse_cubin(compiled.artifacts.CUBIN, smem):
+        out.append({"variant": variant, "expected_smem": smem, "opcodes": opcodes, **report.as_dict()})
+print(json.dumps(out))
+"""
+
+
+@functools.lru_cache(maxsize=None)
+def _report(module: str, arch: str) -> list:
+    env = dict(os.environ, CUTE_DSL_ARCH=arch)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, module, arch], capture_output=True, text=True, env=env, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _first(opcodes, prefix):
+    return next(i for i, o in enumerate(opcodes) if o.startswith(prefix))
+
+
+def _last(opcodes, prefix):
+    return max(i for i, o in enumerate(opcodes) if o.startswith(prefix))
+
+
+def _count(opcodes, name):
+    return sum(o == name or o.startswith(name + ".") for o in opcodes)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("module", MODULES)
+def test_common_sass(module, arch):
+    kernels = _report(module, arch)
+    assert kernels
+    for k in kernels:
+        counts = k["sass_counts"]
+        assert counts.get("LDG", 0) > 0 and counts.get("STG", 0) > 0, k["variant"]
+        assert "CALL" not in counts, f"{k['variant']}: a division slow path crept in"
+        assert "LDL" not in counts and "STL" not in counts and k["spill_bytes"] == 0, k["variant"]
+        # The DSL declares its dynamic shared memory `.align 1024`: ptxas reserves up to 1 KB of
+        # static shared memory for that alignment, and nothing else.
+        assert k["expected_smem"] <= k["smem_bytes"] <= k["expected_smem"] + 1024, "static shared memory appeared"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_permute_quant_sass(arch):
+    kernels = _report("cute_moe.kernels.permute_quant", arch)
+    assert [k["variant"] for k in kernels] == [
+        "permute_quant[bfloat16, scale_fmt=none]",
+        "permute_quant[bfloat16, scale_fmt=ue8m0]",
+        "permute[float8_e4m3fn]",
+    ]
+    for k in kernels[:2]:
+        counts, ops = k["sass_counts"], k["opcodes"]
+        assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
+        assert counts.get("SHFL", 0) > 0, "amax is not a warp-shuffle reduction"
+        assert counts.get("LDGSTS", 0) == 4 and counts.get("BAR", 0) >= 1
+        assert _last(ops, "LDGSTS") < _first(ops, "SHFL"), "row loads interleaved with math"
+        assert 0 < k["registers"] <= 48 and k["expected_smem"] > 0
+    permute = kernels[2]
+    ops = permute["opcodes"]
+    assert "F2FP" not in permute["sass_counts"] and "LDGSTS" not in permute["sass_counts"]
+    assert _count(ops, "LDG.E.128") == 4 and _last(ops, "LDG.E.128") < _first(ops, "STG")
+    assert 0 < permute["registers"] <= 72
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_silu_mul_quant_sass(arch):
+    kernels = _report("cute_moe.kernels.silu_mul_quant", arch)
+    assert [k["variant"] for k in kernels] == [
+        "silu_mul_quant[bfloat16, scale_fmt=none]",
+        "silu_mul_quant[bfloat16, scale_fmt=ue8m0]",
+    ]
+    for k, ue8m0 in zip(kernels, (False, True)):
+        counts, ops = k["sass_counts"], k["opcodes"]
+        assert counts.get("F2FP", 0) > 0 and counts.get("SHFL", 0) > 0
+        assert counts.get("LDGSTS", 0) == 8, "gate and up: 4 rows each, 16 bytes per cp.async"
+        assert _last(ops, "LDGSTS") < _first(ops, "SHFL"), "row loads interleaved with math"
+        # torch's expf (libdevice): FFMA.SAT, FFMA.RM, MUFU.EX2 once per element; the division's
+        # MUFU.RCP once per element, plus one per row for the quantizer's 1/scale (not in ue8m0).
+        assert _count(ops, "FFMA.SAT") == ELEMS_PER_THREAD
+        assert _count(ops, "FFMA.RM") == ELEMS_PER_THREAD
+        assert _count(ops, "MUFU.EX2") == ELEMS_PER_THREAD
+        assert _count(ops, "MUFU.RCP") == ELEMS_PER_THREAD + (0 if ue8m0 else 4)
+        assert 0 < k["registers"] <= 48 and k["expected_smem"] == 32768
