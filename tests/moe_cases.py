@@ -12,7 +12,7 @@ import torch
 
 from cute_moe.reference import align_ref
 
-from .gpu_helpers import poison_allocator
+from .gpu_helpers import code_match_fraction, poison_allocator
 
 ALIGNMENT = 128
 
@@ -66,3 +66,28 @@ def poison_pools(large_bytes: int) -> None:
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bitwise equality of two f32 tensors of one shape (any strides)."""
     return got.shape == want.shape and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def assert_rows_match(a, s, a_ref, s_ref, end: int, exact_codes: bool = False) -> None:
+    """Codes [M_cap, K] e4m3 and MN-major scales [M_cap, K/128] against the reference on rows < end:
+    codes identical on >= 99.99% (or all of them), scales bit-exact."""
+    m_cap, cols = a_ref.shape
+    assert a.shape == (m_cap, cols) and a.dtype == torch.float8_e4m3fn
+    assert s.shape == (m_cap, cols // 128) and s.stride() == (1, m_cap) and s.dtype == torch.float32
+    if exact_codes:
+        assert torch.equal(a[:end].view(torch.uint8), a_ref[:end].view(torch.uint8))
+    else:
+        assert code_match_fraction(a[:end], a_ref[:end]) >= 0.9999
+    assert same_bits(s[:end], s_ref[:end]), (s[:end] - s_ref[:end]).abs().max()
+
+
+def poisoned_outputs(m_cap: int, cols: int):
+    """(codes as uint8 full of 0xFF, MN-major f32 scales full of NaN) for a direct kernel call."""
+    a = torch.full((m_cap, cols), 0xFF, dtype=torch.uint8, device="cuda")
+    s = torch.full((cols // 128, m_cap), float("nan"), device="cuda").t()
+    return a, s
+
+
+def assert_past_end_untouched(a: torch.Tensor, s: torch.Tensor, end: int) -> None:
+    assert end < a.shape[0]
+    assert bool((a[end:].view(torch.uint8) == 0xFF).all()) and bool(s[end:].isnan().all())

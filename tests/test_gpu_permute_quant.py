@@ -18,7 +18,15 @@ from cute_moe.kernels.permute_quant import compile_permute, compile_permute_quan
 from cute_moe.reference import AMAX_FLOOR, FP8_MAX, permute_quant_ref, permute_ref, quant_fp8_ref
 
 from .gpu_helpers import code_match_fraction, random_activations
-from .moe_cases import ROUTINGS, poison_pools, routed_maps, same_bits
+from .moe_cases import (
+    ROUTINGS,
+    assert_past_end_untouched,
+    assert_rows_match,
+    poison_pools,
+    poisoned_outputs,
+    routed_maps,
+    same_bits,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -34,12 +42,7 @@ def _check_quant(x, row_to_token, offsets, scale_fmt):
     m_cap, hidden = row_to_token.shape[0], x.shape[1]
     poison_pools(m_cap * hidden * 2 + (64 << 20))
     a, s = permute_quant_cuda(x, row_to_token, offsets, scale_fmt)
-    a_ref, s_ref = permute_quant_ref(x, row_to_token, offsets, scale_fmt)
-    assert a.shape == (m_cap, hidden) and a.dtype == torch.float8_e4m3fn
-    assert s.shape == (m_cap, hidden // 128) and s.stride() == (1, m_cap) and s.dtype == torch.float32
-    end = _end(offsets)
-    assert code_match_fraction(a[:end], a_ref[:end]) >= 0.9999
-    assert same_bits(s[:end], s_ref[:end]), (s[:end] - s_ref[:end]).abs().max()
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, scale_fmt), _end(offsets))
     return a, s
 
 
@@ -83,14 +86,11 @@ def test_permute_quant_negative_zero_inputs():
 def test_permute_quant_rows_past_end_untouched():
     offsets, row_to_token = routed_maps("ep_shard", 128, seed=13)
     x = random_activations(128, 2048, torch.bfloat16, seed=13)
-    m_cap, end = row_to_token.shape[0], _end(offsets)
-    assert end < m_cap
-    a = torch.full((m_cap, 2048), 0xFF, dtype=torch.uint8, device="cuda")
-    s = torch.full((16, m_cap), float("nan"), device="cuda").t()
+    a, s = poisoned_outputs(row_to_token.shape[0], 2048)
     compile_permute_quant(torch.bfloat16, False, arch_of_device(x.device))(x, row_to_token, offsets, a, s)
-    a_ref, s_ref = permute_quant_ref(x, row_to_token, offsets)
-    assert torch.equal(a[:end], a_ref[:end].view(torch.uint8)) and same_bits(s[:end], s_ref[:end])
-    assert bool((a[end:] == 0xFF).all()) and bool(s[end:].isnan().all())
+    a = a.view(torch.float8_e4m3fn)
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets), _end(offsets), exact_codes=True)
+    assert_past_end_untouched(a, s, _end(offsets))
 
 
 def test_permute_quant_no_tokens():
@@ -140,12 +140,7 @@ def _check_permute(a_in, a_in_scale, row_to_token, offsets):
     m_cap, hidden = row_to_token.shape[0], a_in.shape[1]
     poison_pools(m_cap * hidden + (64 << 20))
     a, s = permute_cuda(a_in, a_in_scale, row_to_token, offsets)
-    a_ref, s_ref = permute_ref(a_in, a_in_scale, row_to_token, offsets)
-    assert a.shape == (m_cap, hidden) and a.dtype == torch.float8_e4m3fn
-    assert s.shape == (m_cap, hidden // 128) and s.stride() == (1, m_cap)
-    end = _end(offsets)
-    assert torch.equal(a[:end].view(torch.uint8), a_ref[:end].view(torch.uint8))
-    assert same_bits(s[:end], s_ref[:end])
+    assert_rows_match(a, s, *permute_ref(a_in, a_in_scale, row_to_token, offsets), _end(offsets), exact_codes=True)
 
 
 @pytest.mark.parametrize("routing", list(ROUTINGS))
@@ -163,13 +158,11 @@ def test_permute(routing, num_tokens, hidden, column_major):
 def test_permute_rows_past_end_untouched_and_no_tokens():
     offsets, row_to_token = routed_maps("ep_shard", 128, seed=21)
     a_in, a_in_scale = quant_fp8_ref(random_activations(128, 2048, torch.bfloat16, seed=21))
-    m_cap, end = row_to_token.shape[0], _end(offsets)
-    a = torch.full((m_cap, 2048), 0xFF, dtype=torch.uint8, device="cuda")
-    s = torch.full((16, m_cap), float("nan"), device="cuda").t()
+    a, s = poisoned_outputs(row_to_token.shape[0], 2048)
     compile_permute(arch_of_device(a_in.device))(a_in.view(torch.uint8), a_in_scale, row_to_token, offsets, a, s)
-    a_ref, s_ref = permute_ref(a_in, a_in_scale, row_to_token, offsets)
-    assert torch.equal(a[:end], a_ref[:end].view(torch.uint8)) and same_bits(s[:end], s_ref[:end])
-    assert bool((a[end:] == 0xFF).all()) and bool(s[end:].isnan().all())
+    a = a.view(torch.float8_e4m3fn)
+    assert_rows_match(a, s, *permute_ref(a_in, a_in_scale, row_to_token, offsets), _end(offsets), exact_codes=True)
+    assert_past_end_untouched(a, s, _end(offsets))
     empty = torch.empty(0, 2048, dtype=torch.float8_e4m3fn, device="cuda")
     row_to_token = torch.full((128,), -1, dtype=torch.int32, device="cuda")
     offsets = torch.tensor([0, 128], dtype=torch.int32, device="cuda")

@@ -16,7 +16,15 @@ from cute_moe.kernels.silu_mul_quant import compile_silu_mul_quant, silu_mul_qua
 from cute_moe.reference import silu_mul_quant_ref
 
 from .gpu_helpers import code_match_fraction, random_activations
-from .moe_cases import ROUTINGS, poison_pools, routed_maps, same_bits
+from .moe_cases import (
+    ROUTINGS,
+    assert_past_end_untouched,
+    assert_rows_match,
+    poison_pools,
+    poisoned_outputs,
+    routed_maps,
+    same_bits,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -28,12 +36,7 @@ def _check(h, offsets, gate_first, scale_fmt):
     m_cap, inter = h.shape[0], h.shape[1] // 2
     poison_pools(m_cap * inter + (64 << 20))
     a2, s = silu_mul_quant_cuda(h, offsets, gate_first, scale_fmt)
-    a2_ref, s_ref = silu_mul_quant_ref(h, offsets, gate_first, scale_fmt)
-    assert a2.shape == (m_cap, inter) and a2.dtype == torch.float8_e4m3fn
-    assert s.shape == (m_cap, inter // 128) and s.stride() == (1, m_cap) and s.dtype == torch.float32
-    end = min(int(offsets[-1]), m_cap)
-    assert code_match_fraction(a2[:end], a2_ref[:end]) >= 0.9999
-    assert same_bits(s[:end], s_ref[:end]), (s[:end] - s_ref[:end]).abs().max()
+    assert_rows_match(a2, s, *silu_mul_quant_ref(h, offsets, gate_first, scale_fmt), min(int(offsets[-1]), m_cap))
     return a2, s
 
 
@@ -81,14 +84,11 @@ def test_silu_rows_past_end_untouched():
     offsets, row_to_token = routed_maps("ep_shard", 128, seed=41)
     m_cap = row_to_token.shape[0]
     h = random_activations(m_cap, 4096, torch.bfloat16, seed=41)
-    end = int(offsets[-1])
-    assert end < m_cap
-    a2 = torch.full((m_cap, 2048), 0xFF, dtype=torch.uint8, device="cuda")
-    s = torch.full((16, m_cap), float("nan"), device="cuda").t()
+    a2, s = poisoned_outputs(m_cap, 2048)
     compile_silu_mul_quant(torch.bfloat16, False, arch_of_device(h.device))(h[:, :2048], h[:, 2048:], offsets, a2, s)
-    a2_ref, s_ref = silu_mul_quant_ref(h, offsets, True)
-    assert code_match_fraction(a2[:end], a2_ref[:end].view(torch.uint8)) >= 0.9999 and same_bits(s[:end], s_ref[:end])
-    assert bool((a2[end:] == 0xFF).all()) and bool(s[end:].isnan().all())
+    a2 = a2.view(torch.float8_e4m3fn)
+    assert_rows_match(a2, s, *silu_mul_quant_ref(h, offsets, True), int(offsets[-1]))
+    assert_past_end_untouched(a2, s, int(offsets[-1]))
 
 
 def test_silu_no_rows_and_strided_h():

@@ -54,31 +54,16 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils
 import torch
-from cutlass.cute.nvgpu import cpasync
 from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .fp8_group import lanes_per_group, quantize_group_fp8
-from .moe_rows import or_sign_bits, rows_end
+from .moe_rows import GROUP, RowGroupKernel
 
-GROUP = 128
 QUANT_DTYPES = (torch.bfloat16, torch.float16)
-_MAX_GRID_Y = 65535
-_NUM_THREADS = 256
-_ROWS_PER_THREAD = 4
 
 
-class _RowGatherBase:
-    """Shared static configuration: CTA shape for 16-byte lanes over groups of 128 columns."""
-
-    num_threads = _NUM_THREADS
-    rows_per_thread = _ROWS_PER_THREAD
-
-    def __init__(self, elem_bytes: int):
-        self.lanes = lanes_per_group(elem_bytes, GROUP)
-        self.elems_per_lane = GROUP // self.lanes
-        self.rows_per_pass = self.num_threads // self.lanes
-        self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
+class _RowGather(RowGroupKernel):
+    """Token staging shared by both gathers: each thread does 4 consecutive rows."""
 
     @cute.jit
     def stage_tokens(self, mR2T: cute.Tensor, sTok: cute.Tensor, first_cta_row, end, num_tokens, tidx):
@@ -110,7 +95,7 @@ class _RowGatherBase:
         return 4 * self.rows_per_cta
 
 
-class PermuteQuantKernel(_RowGatherBase):
+class PermuteQuantKernel(_RowGather):
     """Static configuration: input dtype and scale format."""
 
     def __init__(self, dtype, ue8m0: bool):
@@ -133,35 +118,17 @@ class PermuteQuantKernel(_RowGatherBase):
     @cute.jit
     def __call__(self, mX, mR2T, mOff, mQ, mS, stream):
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
-        if grid_y > _MAX_GRID_Y:
-            grid_y = Int32(_MAX_GRID_Y)
-        self.kernel(mX, mR2T, mOff, mQ, mS).launch(
-            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
-        )
+        self.kernel(mX, mR2T, mOff, mQ, mS).launch(grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR2T: cute.Tensor, mOff: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        group, bidy, _ = cute.arch.block_idx()
-        _, grid_y, _ = cute.arch.grid_dim()
-        end = rows_end(mOff, mQ.shape[0])
-        chunk = group * self.lanes + tidx % self.lanes
-        # cp.async (L2 only) into a per-thread slot of shared memory: the row loads are issued back to
-        # back and none of the math can be scheduled between them (it all waits on the group).
-        g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
-        )
-        store = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.elems_per_lane
-        )
+        tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
+        # cp.async into per-thread slots of shared memory: the 4 row loads are issued back to back
+        # and none of the math can be scheduled between them (it all waits on the group).
+        g2s = self.load_16b_async(self.dtype)
         smem = cutlass.utils.SmemAllocator()
         sTok = self.alloc_tokens(smem)
-        slots = cute.make_layout(
-            (self.elems_per_lane, self.num_threads, self.rows_per_thread),
-            stride=(1, self.elems_per_lane, self.elems_per_lane * self.num_threads),
-        )
-        sX = smem.allocate_tensor(self.dtype, slots, byte_alignment=16)
+        sX = smem.allocate_tensor(self.dtype, self.thread_slots(self.rows_per_thread), byte_alignment=16)
         # Row blocks at or past end do no iteration: the CTA exits.
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
@@ -174,22 +141,14 @@ class PermuteQuantKernel(_RowGatherBase):
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             for u in cutlass.range_constexpr(self.rows_per_thread):
-                row = first_row + u
                 rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
                 cute.autovec_copy(sX[None, tidx, u], rX)
                 if not valids[u]:  # padding: zeros (every lane joins the quantizer's shuffles)
                     rX.fill(0.0)
-                rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
-                scale = quantize_group_fp8(rX, rQ, self.lanes, self.ue8m0)
-                if cutlass.const_expr(not self.ue8m0):
-                    or_sign_bits(rX, rQ)  # -0.0 -> code 0x80, as the reference's true division
-                if row < end:
-                    cute.copy(store, rQ, cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
-                    if tidx % self.lanes == 0:
-                        mS[row, group] = scale
+                self.quantize_store(rX, mQ, mS, first_row + u, end, group, chunk, tidx, self.ue8m0)
 
 
-class PermuteKernel(_RowGatherBase):
+class PermuteKernel(_RowGather):
     """FP8 rows and their scales moved into expert order; no static options."""
 
     def __init__(self):
@@ -203,27 +162,20 @@ class PermuteKernel(_RowGatherBase):
 
     @cute.jit
     def __call__(self, mA, mSin, mR2T, mOff, mQ, mS, stream):
-        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
-        if grid_y > _MAX_GRID_Y:
-            grid_y = Int32(_MAX_GRID_Y)
         self.kernel(mA, mSin, mR2T, mOff, mQ, mS).launch(
-            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
+            grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mA, mSin, mR2T, mOff, mQ, mS):
-        tidx, _, _ = cute.arch.thread_idx()
-        group, bidy, _ = cute.arch.block_idx()
-        _, grid_y, _ = cute.arch.grid_dim()
-        end = rows_end(mOff, mQ.shape[0])
-        chunk = group * self.lanes + tidx % self.lanes
-        scale_lane = tidx % self.lanes == 0
+        tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
         copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
         sTok = self.alloc_tokens(cutlass.utils.SmemAllocator())
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
             self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mA.shape[0], tidx)
             toks, valids = self.row_tokens(sTok, tidx)
+            # All codes and scale loads before the first store (no math in between to interleave).
             rAs, scales = [], []
             for u in cutlass.range_constexpr(self.rows_per_thread):
                 rA = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Uint8)
@@ -238,12 +190,12 @@ class PermuteKernel(_RowGatherBase):
                 row = first_row + u
                 if row < end:
                     cute.copy(copy, rAs[u], cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
-                    if scale_lane:
+                    if tidx % self.lanes == 0:
                         mS[row, group] = scales[u]
 
 
 def _fake_rows_io(in_dtype, num_tokens, hidden, m_cap):
-    """Fake tensors shared by both kernels: source rows, maps, codes and MN-major-or-any scales."""
+    """Fake tensors shared by both kernels: source rows, maps, codes and scales of any strides."""
     mX = fake_tensor(in_dtype, (num_tokens, hidden), (cute.sym_int64(divisibility=128 // in_dtype.width), 1))
     mR2T = fake_tensor(cutlass.Int32, (m_cap,), (1,), align=4)
     mOff = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
@@ -269,17 +221,18 @@ def compile_permute(arch: str, keep_cubin: bool = False):
     return compile_kernel(PermuteKernel(), mA, mSin, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
-def _check_rows(op: str, name: str, t: torch.Tensor) -> None:
-    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+def _outputs(op: str, name: str, src: torch.Tensor, reason: str | None, row_to_token: torch.Tensor):
+    """Host checks shared by both launches, then the outputs: codes [M_cap, H] and MN-major scales."""
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input: {reason}")
+    if src.stride(1) != 1 or (src.stride(0) * src.element_size()) % 16 or src.data_ptr() % 16:
         raise ValueError(
             f"cute_moe.{op}: {name} must have unit column stride and a 16-byte aligned base and row stride, "
-            f"got strides {tuple(t.stride())}"
+            f"got strides {tuple(src.stride())}"
         )
-
-
-def _empty_outputs(like: torch.Tensor, m_cap: int, hidden: int):
-    a = torch.empty((m_cap, hidden), dtype=torch.float8_e4m3fn, device=like.device)
-    a_scale = torch.empty((hidden // GROUP, m_cap), dtype=torch.float32, device=like.device).t()
+    m_cap, hidden = row_to_token.shape[0], src.shape[1]
+    a = torch.empty((m_cap, hidden), dtype=torch.float8_e4m3fn, device=src.device)
+    a_scale = torch.empty((hidden // GROUP, m_cap), dtype=torch.float32, device=src.device).t()
     return a, a_scale
 
 
@@ -292,12 +245,8 @@ def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
 def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt):
     """Launch on x's device and current stream; inputs already validated by the op layer."""
     reason = PermuteQuantKernel.can_implement(x.dtype, x.shape[1])
-    if reason is not None:
-        raise NotImplementedError(f"cute_moe.permute_quant: no CUDA kernel for this input: {reason}")
-    _check_rows("permute_quant", "x", x)
-    m_cap, hidden = row_to_token.shape[0], x.shape[1]
-    a, a_scale = _empty_outputs(x, m_cap, hidden)
-    if m_cap == 0 or hidden == 0:
+    a, a_scale = _outputs("permute_quant", "x", x, reason, row_to_token)
+    if a.numel() == 0:
         return a, a_scale
     fn = compile_permute_quant(x.dtype, scale_fmt == "ue8m0", arch_of_device(x.device))
     fn(_nonempty_rows(x), row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
@@ -306,13 +255,8 @@ def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offse
 
 def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor):
     """Launch on a_in's device and current stream; inputs already validated by the op layer."""
-    reason = PermuteKernel.can_implement(a_in.shape[1])
-    if reason is not None:
-        raise NotImplementedError(f"cute_moe.permute: no CUDA kernel for this input: {reason}")
-    _check_rows("permute", "a_in", a_in)
-    m_cap, hidden = row_to_token.shape[0], a_in.shape[1]
-    a, a_scale = _empty_outputs(a_in, m_cap, hidden)
-    if m_cap == 0 or hidden == 0:
+    a, a_scale = _outputs("permute", "a_in", a_in, PermuteKernel.can_implement(a_in.shape[1]), row_to_token)
+    if a.numel() == 0:
         return a, a_scale
     codes = a_in.view(torch.uint8)
     if a_in.shape[0] == 0:

@@ -68,16 +68,13 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils
 import torch
-from cutlass.cute.nvgpu import cpasync
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .fp8_group import lanes_per_group, quantize_group_fp8
-from .moe_rows import or_sign_bits, rows_end
+from .fp8_group import _to_f32
+from .moe_rows import GROUP, RowGroupKernel
 
-GROUP = 128
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-_MAX_GRID_Y = 65535
 
 # 1 + expf(-x) exactly as nvcc compiles torch's `opmath_t(1) + ::expf(-x_acc)` (libdevice expf,
 # its final multiply contracted with the add).
@@ -117,38 +114,18 @@ def _silu(g: Float32) -> Float32:
 @cute.jit
 def silu_mul(rG: cute.Tensor, rU: cute.Tensor, rY: cute.Tensor):
     """rY = f32(silu(rG) * rU) elementwise in registers (one f32 multiply, as torch's mul)."""
-    g, u = _widen(rG), _widen(rU)
+    g, u = _to_f32(rG), _to_f32(rU)  # bf16: one shift or mask per value
     for i in cutlass.range_constexpr(cute.size(rY)):
         rY[i] = _silu(g[i]) * u[i]
 
 
-@cute.jit
-def _widen(rX: cute.Tensor):
-    """Registers of bf16 (or fp16) -> f32 values; bf16 by shift and mask, one op per value."""
-    if cutlass.const_expr(rX.element_type is cutlass.BFloat16):
-        words = cute.recast_tensor(rX, Uint32)
-        out = []
-        for w in cutlass.range_constexpr(cute.size(words)):
-            out.append((words[w] << Uint32(16)).bitcast(Float32))
-            out.append((words[w] & Uint32(0xFFFF0000)).bitcast(Float32))
-        return out
-    else:
-        return rX.load().to(Float32)
-
-
-class SiluMulQuantKernel:
+class SiluMulQuantKernel(RowGroupKernel):
     """Static configuration: input dtype and scale format."""
 
-    num_threads = 256
-    rows_per_thread = 4
-
     def __init__(self, dtype, ue8m0: bool):
+        super().__init__(dtype.width // 8)
         self.dtype = dtype
         self.ue8m0 = ue8m0
-        self.lanes = lanes_per_group(dtype.width // 8, GROUP)
-        self.elems_per_lane = GROUP // self.lanes
-        self.rows_per_pass = self.num_threads // self.lanes
-        self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
 
     def smem_bytes(self) -> int:
         return 2 * 16 * self.num_threads * self.rows_per_thread
@@ -165,37 +142,15 @@ class SiluMulQuantKernel:
     @cute.jit
     def __call__(self, mG, mU, mOff, mQ, mS, stream):
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        grid_y = cute.ceil_div(mQ.shape[0], self.rows_per_cta)
-        if grid_y > _MAX_GRID_Y:
-            grid_y = Int32(_MAX_GRID_Y)
-        self.kernel(mG, mU, mOff, mQ, mS).launch(
-            grid=[mQ.shape[1] // GROUP, grid_y, 1], block=[self.num_threads, 1, 1], stream=stream
-        )
+        self.kernel(mG, mU, mOff, mQ, mS).launch(grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mOff: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        group, bidy, _ = cute.arch.block_idx()
-        _, grid_y, _ = cute.arch.grid_dim()
-        end = rows_end(mOff, mQ.shape[0])
-        chunk = group * self.lanes + tidx % self.lanes
-        # cp.async (L2 only) into per-thread slots of shared memory: all 2 x rows_per_thread loads
-        # are issued back to back, and none of the math can be scheduled between them.
-        g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
-        )
-        store = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.elems_per_lane
-        )
-        slots = cute.make_layout(
-            (self.elems_per_lane, self.num_threads, 2, self.rows_per_thread),
-            stride=(
-                1,
-                self.elems_per_lane,
-                self.elems_per_lane * self.num_threads,
-                2 * self.elems_per_lane * self.num_threads,
-            ),
-        )
+        tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
+        # cp.async into per-thread slots of shared memory (slot 2u: gate of row u, 2u + 1: up):
+        # all 8 loads are issued back to back, and none of the math can be scheduled between them.
+        g2s = self.load_16b_async(self.dtype)
+        slots = self.thread_slots(2 * self.rows_per_thread)
         sIn = cutlass.utils.SmemAllocator().allocate_tensor(self.dtype, slots, byte_alignment=16)
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + tidx // self.lanes
@@ -204,27 +159,19 @@ class SiluMulQuantKernel:
                 if row < end:
                     for half, mIn in enumerate((mG, mU)):
                         src = cute.local_tile(mIn[row, None], (self.elems_per_lane,), (chunk,))
-                        cute.copy(g2s, src, sIn[None, tidx, half, u])
+                        cute.copy(g2s, src, sIn[None, tidx, 2 * u + half])
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(0)
             for u in cutlass.range_constexpr(self.rows_per_thread):
                 # A row at or past end computes on stale slots: its lanes still join the quantizer's
                 # shuffles (which stay within the row's lanes), and nothing of it is stored.
-                row = first_row + u * self.rows_per_pass
                 rG = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
                 rU = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-                cute.autovec_copy(sIn[None, tidx, 0, u], rG)
-                cute.autovec_copy(sIn[None, tidx, 1, u], rU)
+                cute.autovec_copy(sIn[None, tidx, 2 * u], rG)
+                cute.autovec_copy(sIn[None, tidx, 2 * u + 1], rU)
                 rY = cute.make_rmem_tensor((self.elems_per_lane,), Float32)
                 silu_mul(rG, rU, rY)
-                rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
-                scale = quantize_group_fp8(rY, rQ, self.lanes, self.ue8m0)
-                if cutlass.const_expr(not self.ue8m0):
-                    or_sign_bits(rY, rQ)  # y = -0.0 -> code 0x80, as the reference's true division
-                if row < end:
-                    cute.copy(store, rQ, cute.local_tile(mQ[row, None], (self.elems_per_lane,), (chunk,)))
-                    if tidx % self.lanes == 0:
-                        mS[row, group] = scale
+                self.quantize_store(rY, mQ, mS, first_row + u * self.rows_per_pass, end, group, chunk, tidx, self.ue8m0)
 
 
 @cached_compile
