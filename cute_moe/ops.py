@@ -256,7 +256,14 @@ def permute_quant(
     return a.contiguous(), _as_scales(s, True)
 
 
-_no_cuda_kernel(permute_quant, "permute_quant", V.validate_permute_quant)
+@permute_quant.register_kernel("cuda")
+def _permute_quant_cuda(
+    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt)
+    from cute_moe.kernels.permute_quant import permute_quant_cuda
+
+    return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt)
 
 
 def _permuted_fake(like: Tensor, row_to_token: Tensor) -> tuple[Tensor, Tensor]:
@@ -276,7 +283,14 @@ def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offse
     return a.contiguous(), _as_scales(s, True)
 
 
-_no_cuda_kernel(permute, "permute", V.validate_permute)
+@permute.register_kernel("cuda")
+def _permute_cuda(
+    a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor
+) -> tuple[Tensor, Tensor]:
+    V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
+    from cute_moe.kernels.permute_quant import permute_cuda
+
+    return permute_cuda(a_in, a_in_scale, row_to_token, expert_offsets)
 
 
 @permute.register_fake
@@ -317,7 +331,14 @@ def silu_mul_quant(
     return a2.contiguous(), _as_scales(s, True)
 
 
-_no_cuda_kernel(silu_mul_quant, "silu_mul_quant", V.validate_silu_mul_quant)
+@silu_mul_quant.register_kernel("cuda")
+def _silu_mul_quant_cuda(
+    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+) -> tuple[Tensor, Tensor]:
+    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
+    from cute_moe.kernels.silu_mul_quant import silu_mul_quant_cuda
+
+    return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt)
 
 
 @silu_mul_quant.register_fake

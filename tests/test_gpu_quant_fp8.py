@@ -76,3 +76,14 @@ def test_quant_fp8_side_stream_and_cuda_graph():
         graph.replay()
         q_ref, s_ref = quant_fp8_ref(x)
         assert code_match_fraction(q_g, q_ref) == 1.0 and torch.equal(s_g, s_ref)
+
+
+def test_quant_fp8_signed_zeros_and_exact_codes():
+    """-0.0 gives code 0x80 (the reference's true division keeps the sign); every code exact."""
+    x = random_activations(64, 4096, torch.bfloat16, seed=11)
+    x[::2, ::3] = -0.0
+    x[1::2, ::5] = 0.0
+    for scale_fmt in (None, "ue8m0"):
+        q, s = cute_moe.quant_fp8(x, scale_fmt=scale_fmt)
+        q_ref, s_ref = quant_fp8_ref(x, 128, scale_fmt)
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8)) and torch.equal(s, s_ref)

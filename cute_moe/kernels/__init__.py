@@ -10,5 +10,8 @@ KERNEL_MODULES = {
     "quant_fp8": "cute_moe.kernels.quant_fp8",
     "fill_kv_cache_fp8": "cute_moe.kernels.fill_kv_cache_fp8",
     "finalize": "cute_moe.kernels.finalize",
+    "permute_quant": "cute_moe.kernels.permute_quant",
+    "permute": "cute_moe.kernels.permute_quant",
+    "silu_mul_quant": "cute_moe.kernels.silu_mul_quant",
     "moe_reduce": "cute_moe.kernels.moe_reduce",
 }

@@ -30,7 +30,7 @@ _F32_MANTISSA_MASK = 0x007FFFFF
 def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexpr, ue8m0: cutlass.Constexpr) -> Float32:
     """rX (registers, any float type) -> rQ (registers, e4m3); returns the group's scale."""
     n = cute.size(rX)
-    x = _to_f32(rX)
+    x = to_f32(rX)
     amax = Float32(0.0)
     for i in cutlass.range_constexpr(n):
         amax = cute.arch.fmax(amax, abs(x[i]))
@@ -52,10 +52,12 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
         # path cannot fire here: scale is normal (>= 1e-6/448) and |x / scale| <= 448.
         rcp = cute.arch.rcp_approx(scale)
         inv_scale = cute.math.fma(cute.math.fma(-scale, rcp, Float32(1.0)), rcp, rcp)
+        # The residual is formed negated (scale*q0 - x), so that x = -0.0 keeps its sign:
+        # q0 + (x - scale*q0)/scale would add +0 to -0 and round to +0.
         rY.store(x * inv_scale)
         for i in cutlass.range_constexpr(n):
-            residual = cute.math.fma(-scale, rY[i], x[i])
-            rY[i] = cute.math.fma(residual, inv_scale, rY[i])
+            neg_residual = cute.math.fma(scale, rY[i], -x[i])
+            rY[i] = cute.math.fma(-neg_residual, inv_scale, rY[i])
     # The conversion saturates (cvt.rn.satfinite): the clamp to +-448 comes with it for
     # finite inputs, which the ops require.
     rQ.store(rY.load().to(cutlass.Float8E4M3FN))
@@ -63,7 +65,7 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
 
 
 @cute.jit
-def _to_f32(rX: cute.Tensor):
+def to_f32(rX: cute.Tensor):
     """Registers -> f32 vector. bf16 pairs widen with one integer op per element (the
     generic conversion spends two: a byte permute, then a shift)."""
     if cutlass.const_expr(rX.element_type == cutlass.BFloat16):

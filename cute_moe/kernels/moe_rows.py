@@ -8,28 +8,19 @@
 * ``rows_end``: the first row past the last expert segment, read on the device
   from ``expert_offsets[-1]`` (clamped to the buffer's ``M_cap`` rows), so the
   host never synchronises and the grid is sized from the static ``M_cap``.
-* ``or_sign_bits``: gives every FP8 code the sign bit of its input.  The shared
-  quantizer's residual step (``fp8_group.quantize_group_fp8``, scale_fmt None)
-  computes ``x / scale`` as ``q0 + (x - scale*q0) / scale``, whose sum of two
-  zeros is +0 in round-to-nearest, so an input of -0.0 comes out as code 0x00
-  where the reference (true division) writes -0.0, code 0x80.  The sign of
-  ``x / scale`` is the sign of ``x`` (scale > 0) for every input, so OR-ing the
-  input's sign bit into the code's bit 7 is exact: it changes -0.0 inputs only.
-  silu(g) * u is -0.0 whenever silu(g) is (g < -88.72 divides by +inf), which
-  is common in large activations, so there the fix is not optional.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Uint32
+import torch
+from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .fp8_group import lanes_per_group, quantize_group_fp8
 
 GROUP = 128
 MAX_GRID_Y = 65535
-_SIGN_BYTES = 0x80808080
 
 
 class RowGroupKernel:
@@ -81,8 +72,6 @@ class RowGroupKernel:
         Every lane calls it, whatever its row (the group's amax is a shuffle reduction)."""
         rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
         scale = quantize_group_fp8(rX, rQ, self.lanes, ue8m0)
-        if cutlass.const_expr(not ue8m0):
-            or_sign_bits(rX, rQ)  # -0.0 -> code 0x80, as the reference's true division
         if row < end:
             store = cute.make_copy_atom(
                 cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.elems_per_lane
@@ -101,22 +90,17 @@ def rows_end(mOff: cute.Tensor, num_rows) -> Int32:
     return end
 
 
-@cute.jit
-def or_sign_bits(rX: cute.Tensor, rQ: cute.Tensor):
-    """rQ (registers, n FP8 codes) |= sign bits of rX (registers, n values of 16 or 32 bits).
-
-    PRMT gathers the most significant bytes of four inputs (their sign bits are those
-    bytes' bit 7) and one LOP3 merges them into four codes.
-    """
-    n = cute.size(rQ)
-    words = cute.recast_tensor(rQ, Uint32)
-    src = cute.recast_tensor(rX, Uint32)
-    for w in cutlass.range_constexpr(n // 4):
-        if cutlass.const_expr(rX.element_type.width == 16):  # two values per word: bytes 1 and 3
-            signs = cute.arch.prmt(src[2 * w], src[2 * w + 1], Int32(0x7531))
-        else:  # one value per word: byte 3
-            lo = cute.arch.prmt(src[4 * w], src[4 * w + 1], Int32(0x0073))
-            hi = cute.arch.prmt(src[4 * w + 2], src[4 * w + 3], Int32(0x7300))
-            signs = cute.arch.prmt(lo, hi, Int32(0x7610))
-        words[w] = words[w] | (Uint32(signs) & Uint32(_SIGN_BYTES))
-
+def checked_outputs(op: str, name: str, src: torch.Tensor, reason, rows: int, cols: int):
+    """Host side of a launch: refuse what the kernel cannot do (``reason`` from its
+    ``can_implement``), check ``src``'s 16-byte rows, and allocate the outputs: codes
+    [rows, cols] e4m3 and MN-major f32 scales [rows, cols / 128] (strides (1, rows))."""
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input: {reason}")
+    if src.stride(1) != 1 or (src.stride(0) * src.element_size()) % 16 or src.data_ptr() % 16:
+        raise ValueError(
+            f"cute_moe.{op}: {name} must have unit column stride and a 16-byte aligned base and row stride, "
+            f"got strides {tuple(src.stride())}"
+        )
+    codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
+    scales = torch.empty((cols // GROUP, rows), dtype=torch.float32, device=src.device).t()
+    return codes, scales

@@ -57,7 +57,7 @@ import torch
 from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .moe_rows import GROUP, RowGroupKernel
+from .moe_rows import GROUP, RowGroupKernel, checked_outputs
 
 QUANT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -221,31 +221,16 @@ def compile_permute(arch: str, keep_cubin: bool = False):
     return compile_kernel(PermuteKernel(), mA, mSin, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
-def _outputs(op: str, name: str, src: torch.Tensor, reason: str | None, row_to_token: torch.Tensor):
-    """Host checks shared by both launches, then the outputs: codes [M_cap, H] and MN-major scales."""
-    if reason is not None:
-        raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input: {reason}")
-    if src.stride(1) != 1 or (src.stride(0) * src.element_size()) % 16 or src.data_ptr() % 16:
-        raise ValueError(
-            f"cute_moe.{op}: {name} must have unit column stride and a 16-byte aligned base and row stride, "
-            f"got strides {tuple(src.stride())}"
-        )
-    m_cap, hidden = row_to_token.shape[0], src.shape[1]
-    a = torch.empty((m_cap, hidden), dtype=torch.float8_e4m3fn, device=src.device)
-    a_scale = torch.empty((hidden // GROUP, m_cap), dtype=torch.float32, device=src.device).t()
-    return a, a_scale
-
-
 def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
     """With T = 0 every row is padding and the source is never read; the call still gets a
     one-row tensor rather than an empty one."""
     return t if t.shape[0] else t.new_zeros((1, t.shape[1]))
 
 
-def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt):
+def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None):
     """Launch on x's device and current stream; inputs already validated by the op layer."""
     reason = PermuteQuantKernel.can_implement(x.dtype, x.shape[1])
-    a, a_scale = _outputs("permute_quant", "x", x, reason, row_to_token)
+    a, a_scale = checked_outputs("permute_quant", "x", x, reason, row_to_token.shape[0], x.shape[1])
     if a.numel() == 0:
         return a, a_scale
     fn = compile_permute_quant(x.dtype, scale_fmt == "ue8m0", arch_of_device(x.device))
@@ -255,7 +240,8 @@ def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offse
 
 def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor):
     """Launch on a_in's device and current stream; inputs already validated by the op layer."""
-    a, a_scale = _outputs("permute", "a_in", a_in, PermuteKernel.can_implement(a_in.shape[1]), row_to_token)
+    reason = PermuteKernel.can_implement(a_in.shape[1])
+    a, a_scale = checked_outputs("permute", "a_in", a_in, reason, row_to_token.shape[0], a_in.shape[1])
     if a.numel() == 0:
         return a, a_scale
     codes = a_in.view(torch.uint8)

@@ -42,9 +42,8 @@ magnitude below ``1.1e-36 * |up|`` (below -88.72 torch divides by +inf and gets
 the same signed zero).  Codes and scales are still identical there
 for any ``|up| < 2e24``: such a value is below the 1e-6 amax floor, so it never
 sets the scale, and divided by any scale (>= 1e-6 / 448) it rounds to an FP8
-zero of the same sign.  The quantizer is the one ``quant_fp8`` uses, plus
-``or_sign_bits`` so that ``y = -0.0`` gives code 0x80 like the reference's true
-division.
+zero of the same sign.  The quantizer is the one ``quant_fp8`` uses (``y = -0.0``
+gives code 0x80, like the reference's true division).
 
 Mapping (as in ``quant_fp8``): one (row, group of 128 outputs) is handled by
 16 consecutive lanes, each owning 8 outputs, i.e. 16 bytes of gate and 16 bytes
@@ -71,8 +70,8 @@ import torch
 from cutlass import Float32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .fp8_group import _to_f32
-from .moe_rows import GROUP, RowGroupKernel
+from .fp8_group import to_f32
+from .moe_rows import GROUP, RowGroupKernel, checked_outputs
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -114,7 +113,7 @@ def _silu(g: Float32) -> Float32:
 @cute.jit
 def silu_mul(rG: cute.Tensor, rU: cute.Tensor, rY: cute.Tensor):
     """rY = f32(silu(rG) * rU) elementwise in registers (one f32 multiply, as torch's mul)."""
-    g, u = _to_f32(rG), _to_f32(rU)  # bf16: one shift or mask per value
+    g, u = to_f32(rG), to_f32(rU)  # bf16: one shift or mask per value
     for i in cutlass.range_constexpr(cute.size(rY)):
         rY[i] = _silu(g[i]) * u[i]
 
@@ -188,20 +187,12 @@ def compile_silu_mul_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubi
     return compile_kernel(SiluMulQuantKernel(cdtype, ue8m0), mG, mU, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
-def silu_mul_quant_cuda(h: torch.Tensor, expert_offsets: torch.Tensor, gate_first: bool, scale_fmt):
+def silu_mul_quant_cuda(h: torch.Tensor, expert_offsets: torch.Tensor, gate_first: bool = True, scale_fmt=None):
     """Launch on h's device and current stream; inputs already validated by the op layer."""
     m_cap, inter = h.shape[0], h.shape[1] // 2
     reason = SiluMulQuantKernel.can_implement(h.dtype, inter)
-    if reason is not None:
-        raise NotImplementedError(f"cute_moe.silu_mul_quant: no CUDA kernel for this input: {reason}")
-    if h.stride(1) != 1 or (h.stride(0) * h.element_size()) % 16 or h.data_ptr() % 16:
-        raise ValueError(
-            "cute_moe.silu_mul_quant: h must have unit column stride and a 16-byte aligned base and row stride, "
-            f"got strides {tuple(h.stride())}"
-        )
-    a2 = torch.empty((m_cap, inter), dtype=torch.float8_e4m3fn, device=h.device)
-    scale = torch.empty((inter // GROUP, m_cap), dtype=torch.float32, device=h.device).t()
-    if m_cap == 0 or inter == 0:
+    a2, scale = checked_outputs("silu_mul_quant", "h", h, reason, m_cap, inter)
+    if a2.numel() == 0:
         return a2, scale
     first, second = h[:, :inter], h[:, inter:]
     gate, up = (first, second) if gate_first else (second, first)

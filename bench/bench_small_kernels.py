@@ -1,0 +1,72 @@
+"""The MoE layer's memory-bound steps on the GPU, DeepSeek-V3 shape (H=7168, E=256,
+top-8, I=2048): µs (device time of one CUDA-graph replay, L2 flushed), GB/s and
+share of the copy bandwidth measured in the same run, beside the plain-PyTorch
+composition (cute_moe.reference on CUDA tensors).
+
+    python bench/bench_small_kernels.py [--json PATH]
+
+Bytes counted minimally: permute_quant reads x once (T·H·2) and writes the
+routed rows' codes and scales; silu_mul_quant reads the routed rows of h
+(2I bf16) and writes their codes and scales; finalize and moe_reduce are in
+bench_finalize.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import cute_moe  # noqa: E402
+from cute_moe.reference import align_ref, permute_quant_ref, silu_mul_quant_ref  # noqa: E402
+from timing import Timer  # noqa: E402
+
+H, E, K, INTER = 7168, 256, 8, 2048
+TOKENS = (1, 16, 128, 1024, 4096, 16384)
+
+
+def _routing(t: int):
+    ids = torch.rand(t, E, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
+    offsets, row_to_token, _, counts = align_ref(ids, E, 128)
+    return offsets, row_to_token, int(counts.sum())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_small_kernels.json"))
+    args = parser.parse_args()
+    timer = Timer()
+    copy_gbs = timer.copy_bandwidth_gbs()
+    rows = []
+    for t in TOKENS:
+        offsets, row_to_token, routed = _routing(t)
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
+        h = torch.randn(row_to_token.shape[0], 2 * INTER, device="cuda", dtype=torch.bfloat16)
+        cases = {
+            "permute_quant": (t * H * 2 + routed * (H + H // 128 * 4),
+                              lambda: cute_moe.permute_quant(x, row_to_token, offsets),
+                              lambda: permute_quant_ref(x, row_to_token, offsets)),
+            "silu_mul_quant": (routed * (2 * INTER * 2 + INTER + INTER // 128 * 4),
+                               lambda: cute_moe.silu_mul_quant(h, offsets),
+                               lambda: silu_mul_quant_ref(h, offsets)),
+        }
+        for name, (nbytes, ours, plain) in cases.items():
+            us = timer.graph_us(ours)
+            plain_us = timer.kernel_us(plain, reps=20)  # host syncs inside: events, not a graph
+            rows.append({"op": name, "T": t, "us": us, "gbs": nbytes / us / 1e3,
+                         "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us})
+    print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    print(f"{'op':>15} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
+    for r in rows:
+        print(f"{r['op']:>15} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
+              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
