@@ -17,7 +17,7 @@ Numerics, bit for bit with the reference on CUDA (``F.silu(gate.float()) * up``)
   math.  nvcc inlines libdevice's ``expf`` and contracts its final scaling
   multiply with the ``1 +`` into one FMA, so the denominator is
   ``d = fma(ex2.approx.ftz(t), 2**i, 1)`` with ``t``, ``i`` from libdevice's
-  range reduction.  ``_ONE_PLUS_EXP_NEG`` is that PTX sequence, instruction for
+  range reduction.  ``ONE_PLUS_EXP_NEG`` is that PTX sequence, instruction for
   instruction (read off ``nvcc -arch=sm_90a -ptx`` of the same expression; its
   SASS is the FFMA.SAT / FFMA.RM / MUFU.EX2 / FFMA sequence of torch's kernel).
 * ``g / d`` is IEEE division (``div.rn.f32``), which ptxas expands into a fast
@@ -77,7 +77,7 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 # 1 + expf(-x) exactly as nvcc compiles torch's `opmath_t(1) + ::expf(-x_acc)` (libdevice expf,
 # its final multiply contracted with the add).
-_ONE_PLUS_EXP_NEG = """{
+ONE_PLUS_EXP_NEG = """{
 .reg .f32 sm_n, sm_t, sm_j, sm_r, sm_s, sm_e;
 .reg .b32 sm_b;
 neg.f32 sm_n, {$r0};
@@ -94,7 +94,7 @@ mov.b32 sm_s, sm_b;
 ex2.approx.ftz.f32 sm_e, sm_r;
 fma.rn.f32 {$w0}, sm_e, sm_s, 0f3F800000;
 }"""
-_F32_MAX = 3.4028234663852886e38
+F32_MAX = 3.4028234663852886e38
 
 
 @cute.jit
@@ -102,8 +102,8 @@ def _silu(g: Float32) -> Float32:
     """g / (1 + expf(-g)) in f32 as torch computes it on CUDA (see the module docstring): the
     denominator by libdevice's expf sequence, the quotient by div.rn.f32's fast path with the
     residual negated (keeps the sign of g = -0.0); for d > 2**126 a zero with the sign of g."""
-    d = cute.arch.inline_ptx(_ONE_PLUS_EXP_NEG, write_only_types=[Float32], read_only_args=[g])
-    d = cute.arch.fmin(d, Float32(_F32_MAX))
+    d = cute.arch.inline_ptx(ONE_PLUS_EXP_NEG, write_only_types=[Float32], read_only_args=[g])
+    d = cute.arch.fmin(d, Float32(F32_MAX))
     r = cute.arch.rcp_approx(d)
     y = cute.math.fma(cute.math.fma(-d, r, Float32(1.0)), r, r)
     q = g * y

@@ -1,0 +1,342 @@
+"""Expert alignment (``cute_moe.align``) as a CuTe DSL kernel.
+
+Status: compiled and SASS-checked for sm_90a and sm_100a; not yet run on a GPU —
+not wired into torch.ops.cute_moe.align until tests/test_gpu_align.py passes on
+the H200.
+
+Math (``reference.align_ref``, bit for bit): with ``n = T * k`` flattened
+entries ``i = t * k + j`` and ``key(i) = topk_ids[i] - expert_offset`` when that
+lies in ``[0, E_local)`` (else the entry is not local)::
+
+    counts[e]        = #{i : key(i) == e}
+    offsets[0]       = 0;  offsets[e + 1] = offsets[e] + round_up(counts[e], alignment)
+    rank(i)          = #{i' < i : key(i') == key(i)}          (a stable counting sort)
+    token_to_row[i]  = offsets[key(i)] + rank(i), or -1 when not local
+    row_to_token[r]  = i // k for the row r of entry i; -1 for every other row < M_cap
+                       (segment padding and every row past offsets[E_local])
+
+Mapping: one CTA of 1024 threads (32 warps), one launch, no host synchronisation
+and no grid that depends on the data.  Warp ``w`` owns the contiguous slice
+``[w * S, (w + 1) * S)`` of the flattened entries (``S = ceil(n / 1024) * 32``)
+and walks it in batches of ``U`` sub-chunks of 32 entries (lane ``l`` takes
+entry ``base + 32 u + l``: coalesced 128-byte loads, all ``U`` of a batch issued
+before any of them is used; see ``batch_keys``), ``U = 16`` in the histogram
+pass and 8 in the rank pass (53 registers of the 64 a 1024-thread CTA allows).
+Shared memory holds a counter table ``cnt[32 warps][E_local + 1]`` (column
+``E_local`` is a dump slot for non-local entries and for lanes past the slice),
+so each warp has private counters:
+
+1. Histogram: each entry adds 1 to ``cnt[w][key]`` with a shared-memory atomic
+   (``ATOMS.POPC.INC``: the hardware aggregates equal addresses within the warp).
+   Atomics are fine here: only the totals per (warp, expert) matter, not the order.
+2. Scan (``__syncthreads`` before and after): thread ``e`` turns column ``e`` into
+   ``counts[e]`` (sum over warps), the padded counts are scanned over the block
+   (shuffle scan per warp, then over the 32 warp totals) into ``offsets``, and
+   column ``e`` becomes ``base[w][e] = offsets[e] + sum_{w' < w} cnt[w'][e]``: the
+   first row of expert ``e`` that warp ``w`` hands out.  ``expert_offsets`` and
+   ``expert_counts`` are written here.
+3. ``row_to_token = -1`` for the padding rows of each segment (warp ``w`` takes
+   experts ``w, w + 32, ...``, lanes stride over the segment's ``< alignment``
+   padding rows) and for rows ``[offsets[E_local], M_cap)`` (block-stride loop).
+   These rows are disjoint from the rows pass 4 writes, so no ordering is needed,
+   and every one of the ``M_cap`` rows is written by the kernel: the launch
+   function allocates with ``torch.empty`` and never zero- or -1-fills on the host.
+4. Ranks: the warp walks its slice again, in the same order (ascending ``i``);
+   within a sub-chunk ``rank = base[w][key] + popc(peers & lanemask_lt)``, then
+   the group's first lane advances ``base[w][key]`` by the group size (a
+   ``__syncwarp`` before and after the update).  Because warp slices are in
+   ascending order and ``base`` already counts the earlier warps' entries, the
+   result is the stable order of the reference with no inter-warp communication.
+   Each local entry writes ``token_to_row[i]`` and ``row_to_token[row]``; a
+   non-local entry writes ``token_to_row[i] = -1``.
+
+Cost: ``topk_ids`` is read twice (the second time mostly from L2), ``token_to_row``
+and ``expert_offsets``/``expert_counts`` written once, ``row_to_token`` written
+once per row.  All of it through one SM, so the time grows with ``n``: the
+design targets decode and prefill batches (DeepSeek-V3: ``T = 16384, k = 8``,
+131072 entries, 4096 per warp); a multi-CTA variant (per-CTA histograms in
+global memory, a scan launch, a rank launch) is the next step if ``n`` of a
+million or more must be fast.  Estimate, not a measurement (no GPU has run this
+yet): the rank pass is about 25 SASS instructions per 32 entries and the
+histogram about 6, so ``n = 131072`` is about 130 K warp instructions over the
+SM's 4 schedulers (~20 us at 1.8 GHz) plus 16 + 16 batches of load latency
+partly hidden by the 8 warps per scheduler: 25-40 us expected; a few us at T = 1.
+
+Constraints (``AlignKernel.can_implement`` and ``align_cuda``):
+``1 <= E_local <= 1024`` (thread ``e`` owns expert ``e`` in the scan; the counter
+table is ``32 * (E_local + 1) * 4`` bytes of shared memory, 128 KB at 1024);
+``n = T * k <= MAX_ENTRIES`` (2**22) and ``M_cap < 2**31`` (int32 rows).
+``k``, ``E_local``, ``alignment`` and ``expert_offset`` are compiled in (one
+variant per EP rank); ``T`` and ``M_cap`` are dynamic.  ``T = 0`` launches
+nothing.  ``topk_ids`` must be int32 (a non-contiguous one is copied first);
+ids outside ``[0, num_experts)`` are outside the op's contract and are treated
+as not local.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils
+import torch
+from cutlass import Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
+
+from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor
+from ..reference import m_cap
+from .reduce_common import opaque_zero
+
+NUM_WARPS = 32
+NUM_THREADS = 32 * NUM_WARPS
+MAX_LOCAL_EXPERTS = NUM_THREADS  # thread e owns expert e in the scan
+MAX_ENTRIES = 1 << 22
+SUBCHUNKS = 8  # rank pass: 32-entry sub-chunks per batch (loads per lane in flight)
+HIST_SUBCHUNKS = 16  # histogram pass: its loop body is short, so more loads in flight
+
+
+# ----------------------------------------------------------------------------- device
+
+
+@dsl_user_op
+def match_any(value, *, loc=None, ip=None) -> Int32:
+    """``match.any.sync.b32`` over the full warp: the mask of the lanes holding ``value``.
+
+    Marked as having side effects so that LLVM neither sinks it into a branch nor
+    merges it: every lane of the warp must execute it together.
+    """
+    ops = [Int32(value).ir_value(loc=loc, ip=ip)]
+    res = llvm.inline_asm(
+        Int32.mlir_type, ops, "match.any.sync.b32 $0, $1, -1;", "=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+    return Int32(res)
+
+
+@dsl_user_op
+def lanemask_lt(*, loc=None, ip=None) -> Int32:
+    """The mask of the lanes below this one (``%lanemask_lt``)."""
+    res = llvm.inline_asm(
+        Int32.mlir_type, [], "mov.u32 $0, %lanemask_lt;", "=r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+    return Int32(res)
+
+
+class AlignKernel:
+    """Static configuration: top-k, local expert count and offset, segment alignment."""
+
+    def __init__(self, k: int, num_local_experts: int, alignment: int, expert_offset: int):
+        self.k = k
+        self.num_local = num_local_experts
+        self.alignment = alignment
+        self.expert_offset = expert_offset
+
+    def smem_bytes(self) -> int:
+        """Counter table, offsets, counts and warp totals (int32)."""
+        return 4 * (NUM_WARPS * (self.num_local + 1) + (self.num_local + 1) + self.num_local + NUM_WARPS) + 64
+
+    @staticmethod
+    def can_implement(k: int, num_local_experts: int, alignment: int, num_tokens: int) -> str | None:
+        """None when the kernel supports the configuration, else the reason."""
+        if not 1 <= num_local_experts <= MAX_LOCAL_EXPERTS:
+            return f"num_local_experts must be in [1, {MAX_LOCAL_EXPERTS}], got {num_local_experts}"
+        if k < 1:
+            return f"top_k must be >= 1, got {k}"
+        if alignment < 1:
+            return f"alignment must be >= 1, got {alignment}"
+        if num_tokens * k > MAX_ENTRIES:
+            return f"T * k must be <= {MAX_ENTRIES} (one CTA walks every entry), got {num_tokens * k}"
+        if m_cap(num_tokens, k, num_local_experts, alignment) >= 1 << 31:
+            return "M_cap must fit in int32"
+        return None
+
+    @cute.jit
+    def __call__(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor,
+                 mCnt: cute.Tensor, stream):  # fmt: skip
+        self.kernel(mIds, mOff, mR2T, mT2R, mCnt).launch(grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+
+    @cute.jit
+    def batch_keys(self, mIds: cute.Tensor, base, lane, stop, zero: Int32, count: cutlass.Constexpr):
+        """The local experts of entries ``base + 32 u + lane`` (``u < count``); ``num_local``
+        (the dump column) for an entry that is not local or at or past ``stop``.
+
+        The loads are unconditional (clamped to ``stop - 1``, an entry of this slice) and all
+        issued before any key is used: the first key is made to depend on every loaded value
+        (``| (OR of them & zero)``, ``zero`` being ``opaque_zero``), otherwise ptxas issues
+        the last loads of the batch only after the first ``MATCH`` has waited for its data.
+        """
+        vals = [mIds[cutlass.min(base + u * 32 + lane, stop - 1)] for u in range(count)]
+        tie = vals[0]
+        for u in cutlass.range_constexpr(1, count):
+            tie = tie | vals[u]
+        vals[0] = vals[0] | (tie & zero)
+        keys = []
+        for u in cutlass.range_constexpr(count):
+            v = vals[u] - self.expert_offset
+            key = Int32(self.num_local)
+            if (base + u * 32 + lane < stop) & (v >= 0) & (v < self.num_local):
+                key = v
+            keys.append(key)
+        return keys
+
+    @cute.kernel
+    def kernel(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor, mCnt: cute.Tensor):
+        E = self.num_local
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.warp_idx()
+        warp = cute.arch.make_warp_uniform(warp)
+        lane = cute.arch.lane_idx()
+        below = lanemask_lt()
+        n = mIds.shape[0]
+        zero = opaque_zero(n)
+        m_rows = mR2T.shape[0]
+
+        smem = cutlass.utils.SmemAllocator()
+        sCnt = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, E + 1), stride=(E + 1, 1)), byte_alignment=16)
+        sOff = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
+        sNum = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(NUM_WARPS), byte_alignment=16)
+
+        for i in range(tidx, NUM_WARPS * (E + 1), NUM_THREADS):
+            sCnt[i // (E + 1), i % (E + 1)] = Int32(0)
+        cute.arch.sync_threads()
+
+        # This warp's slice of the flattened entries (a multiple of 32 long: aligned loads).
+        per_warp = cute.ceil_div(n, NUM_THREADS) * 32
+        start = warp * per_warp
+        stop = cutlass.min(start + per_warp, n)
+
+        # 1. Per-warp histogram.
+        for base in range(start, stop, 32 * HIST_SUBCHUNKS):
+            keys = self.batch_keys(mIds, base, lane, stop, zero, HIST_SUBCHUNKS)
+            for u in cutlass.range_constexpr(HIST_SUBCHUNKS):
+                cute.arch.atomic_add(sCnt.iterator + (warp * (E + 1) + keys[u]), Int32(1), scope="cta")
+        cute.arch.sync_threads()
+
+        # 2. Counts, padded offsets (block scan), per-warp bases.
+        count = Int32(0)
+        if tidx < E:
+            for w in cutlass.range_constexpr(NUM_WARPS):
+                count = count + sCnt[w, tidx]
+        padded = (count + (self.alignment - 1)) // self.alignment * self.alignment
+        incl = padded
+        for d in cutlass.range_constexpr(5):
+            up = cute.arch.shuffle_sync_up(incl, 1 << d)
+            if lane >= (1 << d):
+                incl = incl + up
+        if lane == 31:
+            sWarp[warp] = incl
+        cute.arch.sync_threads()
+        if warp == 0:
+            total = sWarp[lane]
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(total, 1 << d)
+                if lane >= (1 << d):
+                    total = total + up
+            sWarp[lane] = total
+        cute.arch.sync_threads()
+        excl = incl - padded
+        if warp > 0:
+            excl = excl + sWarp[warp - 1]
+        if tidx < E:
+            mOff[tidx] = excl
+            mCnt[tidx] = count
+            sOff[tidx] = excl
+            sNum[tidx] = count
+            run = excl
+            for w in cutlass.range_constexpr(NUM_WARPS):
+                c = sCnt[w, tidx]
+                sCnt[w, tidx] = run
+                run = run + c
+        if tidx == 0:
+            end = sWarp[NUM_WARPS - 1]
+            mOff[E] = end
+            sOff[E] = end
+        cute.arch.sync_threads()
+
+        # 3. -1 in every row no entry takes: segment padding, then rows past the last segment.
+        for e in range(warp, E, NUM_WARPS):
+            for r in range(sOff[e] + sNum[e] + lane, sOff[e + 1], 32):
+                mR2T[r] = Int32(-1)
+        for r in range(sOff[E] + tidx, m_rows, NUM_THREADS):
+            mR2T[r] = Int32(-1)
+
+        # 4. Stable ranks, in ascending entry order within the warp's slice.
+        for base in range(start, stop, 32 * SUBCHUNKS):
+            keys = self.batch_keys(mIds, base, lane, stop, zero, SUBCHUNKS)
+            for u in cutlass.range_constexpr(SUBCHUNKS):
+                idx = base + u * 32 + lane
+                key = keys[u]
+                peers = match_any(key)
+                first = peers & below
+                row = sCnt[warp, key] + cute.arch.popc(first)
+                cute.arch.sync_warp()
+                if first == 0:
+                    sCnt[warp, key] = row + cute.arch.popc(peers)
+                cute.arch.sync_warp()
+                t2r = row
+                if key == E:  # not local, or past the slice
+                    t2r = Int32(-1)
+                if idx < stop:
+                    mT2R[idx] = t2r
+                if key < E:  # implies idx < stop
+                    mR2T[row] = Int32(Uint32(idx) // self.k)  # idx >= 0: unsigned division is cheaper
+
+
+@cached_compile
+def compile_align(k: int, num_local_experts: int, alignment: int, expert_offset: int, arch: str,
+                  keep_cubin: bool = False):  # fmt: skip
+    """Compile for every T and M_cap; the key is the scalars above."""
+    mIds = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
+    mOff = fake_tensor(Int32, (num_local_experts + 1,), (1,), align=4)
+    mR2T = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
+    mT2R = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
+    mCnt = fake_tensor(Int32, (num_local_experts,), (1,), align=4)
+    kernel = AlignKernel(k, num_local_experts, alignment, expert_offset)
+    return compile_kernel(kernel, mIds, mOff, mR2T, mT2R, mCnt, arch=arch, keep_cubin=keep_cubin)
+
+
+def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, expert_offset: int = 0,
+               num_local_experts: int | None = None):  # fmt: skip
+    """Launch on topk_ids' device and current stream; inputs already validated by the op layer.
+
+    Returns (expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], expert_counts
+    [E_local]), all int32.  ``num_experts`` only bounds the ids (checked by the op layer).
+    """
+    T, k = topk_ids.shape
+    E_local = num_experts if num_local_experts is None else num_local_experts
+    dev = topk_ids.device
+    rows = m_cap(T, k, E_local, alignment)
+    if T == 0 or k == 0:
+        return (
+            torch.zeros(E_local + 1, dtype=torch.int32, device=dev),
+            torch.full((rows,), -1, dtype=torch.int32, device=dev),
+            torch.empty((T, k), dtype=torch.int32, device=dev),
+            torch.zeros(E_local, dtype=torch.int32, device=dev),
+        )
+    reason = AlignKernel.can_implement(k, E_local, alignment, T)
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.align: no CUDA kernel for this input: {reason}")
+    if topk_ids.dtype != torch.int32:
+        raise NotImplementedError(f"cute_moe.align: the CUDA kernel takes int32 topk_ids, got {topk_ids.dtype}")
+    ids = topk_ids.contiguous().view(-1)
+    offsets = torch.empty(E_local + 1, dtype=torch.int32, device=dev)
+    row_to_token = torch.empty(rows, dtype=torch.int32, device=dev)  # every row written by the kernel
+    token_to_row = torch.empty((T, k), dtype=torch.int32, device=dev)
+    counts = torch.empty(E_local, dtype=torch.int32, device=dev)
+    fn = compile_align(k, E_local, alignment, expert_offset, arch_of_device(dev))
+    fn(ids, offsets, row_to_token, token_to_row.view(-1), counts)
+    return offsets, row_to_token, token_to_row, counts
+
+
+def inspect_variants(arch: str):
+    """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect align``."""
+    return [
+        (
+            f"align[k={k}, E_local={e}, alignment={a}, expert_offset={off}]",
+            compile_align(k, e, a, off, arch, True),
+            AlignKernel(k, e, a, off).smem_bytes(),
+        )
+        for k, e, a, off in [(8, 256, 128, 0), (1, 8, 1, 0), (6, 64, 16, 32), (2, 1024, 128, 0)]
+    ]
