@@ -82,3 +82,24 @@ def test_import_is_cheap_and_gpu_free():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_grouped_gemm_sm90_compiles_to_qgmma_and_tma():
+    """The staged Hopper grouped GEMM (not wired into the op until it has run on a GPU)."""
+    code = (
+        "import json, os\n"
+        "os.environ['CUTE_DSL_ARCH'] = 'sm_90a'\n"
+        "from cute_moe.cubin import analyse_cubin\n"
+        "from cute_moe.kernels.grouped_gemm_sm90 import inspect_variants\n"
+        "out = [r.as_dict() for _, fn, smem in inspect_variants('sm_90a') for r in analyse_cubin(fn.artifacts.CUBIN, smem)]\n"
+        "print(json.dumps(out))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    (kernel,) = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = kernel["sass_counts"]
+    assert counts.get("QGMMA", 0) >= 4, "FP8 WGMMA missing: the kernel is on a slow path"
+    assert counts.get("UTMALDG", 0) >= 2, "A and B must come in by TMA"
+    assert "LDL" not in counts and "STL" not in counts and kernel["spill_bytes"] == 0
+    assert kernel["smem_bytes"] <= 227 * 1024
