@@ -281,7 +281,7 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets):
             f"cute_moe.grouped_gemm_fp8: a_scale must be MN-major (stride(0) == 1), got strides {tuple(a_scale.stride())}"
         )
     c = torch.empty((m_cap, n), dtype=torch.bfloat16, device=a.device)
-    if m_cap == 0:
+    if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
     arch = arch_of_device(a.device)
     if arch != "sm_90a":
