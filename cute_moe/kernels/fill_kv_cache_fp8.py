@@ -38,8 +38,6 @@ in [32, 1024] dividing D (and Dv); cache strides multiples of 16 bytes.
 """
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 import torch
@@ -47,6 +45,7 @@ from cutlass import Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
 from .fp8_group import lanes_per_group, quantize_group_fp8
+from .host_checks import check_rows_16b, debug_check_index_range
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4
@@ -269,24 +268,6 @@ def _as_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(1, 2) if layout == "bhsd" else t
 
 
-def _check_16b(name: str, t: torch.Tensor, dims) -> None:
-    if t.data_ptr() % 16 or any((t.stride(d) * t.element_size()) % 16 for d in dims):
-        raise ValueError(
-            f"cute_moe.fill_kv_cache_fp8: {name} needs a 16-byte aligned base and strides that are "
-            f"multiples of 16 bytes in dims {tuple(dims)}, got strides {tuple(t.stride())}"
-        )
-
-
-def _debug_check_block_ids(block_offsets: torch.Tensor, num_blocks: int) -> None:
-    """CUTE_MOE_DEBUG=1: host check (a device sync) that every block id is in range or -1."""
-    bad = (block_offsets >= num_blocks) | (block_offsets < -1)
-    if bool(bad.any()):
-        raise ValueError(
-            f"cute_moe.fill_kv_cache_fp8: block_offsets holds ids outside [0, {num_blocks}) "
-            f"(first at {tuple(bad.nonzero()[0].tolist())}); such slots would be skipped"
-        )
-
-
 def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
@@ -303,14 +284,13 @@ def fill_kv_cache_fp8_cuda(
         sides.append(("v", v_states, v_cache, v_scale_cache))
     args = []
     for name, states, cache, scales in sides:
-        _check_16b(f"{name}_states", states, (0, 1))
+        check_rows_16b("fill_kv_cache_fp8", f"{name}_states", states)
         cache_bshd = _as_bshd(cache, layout)
-        _check_16b(f"{name}_cache", cache_bshd, (0, 1, 2))
+        check_rows_16b("fill_kv_cache_fp8", f"{name}_cache", cache_bshd)
         args += [states, cache_bshd.view(torch.uint8), _as_bshd(scales, layout)]
     if v_states is None:
         args += [None, None, None]
-    if os.environ.get("CUTE_MOE_DEBUG") == "1":
-        _debug_check_block_ids(block_offsets, k_cache.shape[0])
+    debug_check_index_range("fill_kv_cache_fp8", "block_offsets", block_offsets, k_cache.shape[0])
     if k_states.shape[0] == 0 or cu_seqlens_q.shape[0] < 2:
         return
     contiguous = (layout, k_cache.shape[1 if layout == "bshd" else 2])

@@ -44,7 +44,6 @@ on the host and raise instead).
 
 from __future__ import annotations
 
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -52,10 +51,10 @@ import torch
 from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor
+from .host_checks import check_rows_16b, debug_check_index_range
 from .reduce_common import (
     MAX_K,
     NUM_THREADS,
-    check_rows_16b,
     check_slabs,
     opaque_zero,
     vectors_per_thread,
@@ -130,16 +129,6 @@ def compile_finalize(k: int, arch: str, keep_cubin: bool = False):
     return compile_kernel(FinalizeKernel(k), mY, mW, mIdx, mOut, arch=arch, keep_cubin=keep_cubin)
 
 
-def _debug_check_rows(token_to_row: torch.Tensor, m_cap: int) -> None:
-    """CUTE_MOE_DEBUG=1: host check (a device sync) that every entry is -1 or a row of y."""
-    bad = (token_to_row < -1) | (token_to_row >= m_cap)
-    if bool(bad.any()):
-        raise ValueError(
-            f"cute_moe.finalize: token_to_row holds entries outside [-1, {m_cap}) "
-            f"(first at {tuple(bad.nonzero()[0].tolist())}); the kernel would skip them"
-        )
-
-
 def finalize_cuda(y: torch.Tensor, topk_weights: torch.Tensor, token_to_row: torch.Tensor) -> torch.Tensor:
     """Launch on y's device and current stream; inputs already validated by the op layer."""
     T, k = topk_weights.shape
@@ -154,8 +143,7 @@ def finalize_cuda(y: torch.Tensor, topk_weights: torch.Tensor, token_to_row: tor
         raise NotImplementedError(f"cute_moe.finalize: no CUDA kernel for this input: {reason}")
     check_rows_16b("finalize", "y", y)
     check_slabs("finalize", H, FinalizeKernel.cols_per_cta_for(k))
-    if os.environ.get("CUTE_MOE_DEBUG") == "1":
-        _debug_check_rows(token_to_row, y.shape[0])
+    debug_check_index_range("finalize", "token_to_row", token_to_row, y.shape[0])
     if y.shape[0] == 0:  # no row to read: every entry is skipped
         return out.zero_()
     fn = compile_finalize(k, arch_of_device(y.device))

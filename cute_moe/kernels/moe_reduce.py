@@ -47,10 +47,10 @@ import torch
 from cutlass import Float32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from .host_checks import check_rows_16b
 from .reduce_common import (
     MAX_K,
     NUM_THREADS,
-    check_rows_16b,
     check_slabs,
     opaque_zero,
     vectors_per_thread,

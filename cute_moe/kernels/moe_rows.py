@@ -18,6 +18,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .fp8_group import lanes_per_group, quantize_group_fp8
+from .host_checks import check_rows_16b
 
 GROUP = 128
 MAX_GRID_Y = 65535
@@ -96,11 +97,7 @@ def checked_outputs(op: str, name: str, src: torch.Tensor, reason, rows: int, co
     [rows, cols] e4m3 and MN-major f32 scales [rows, cols / 128] (strides (1, rows))."""
     if reason is not None:
         raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input: {reason}")
-    if src.stride(1) != 1 or (src.stride(0) * src.element_size()) % 16 or src.data_ptr() % 16:
-        raise ValueError(
-            f"cute_moe.{op}: {name} must have unit column stride and a 16-byte aligned base and row stride, "
-            f"got strides {tuple(src.stride())}"
-        )
+    check_rows_16b(op, name, src)
     codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
     scales = torch.empty((cols // GROUP, rows), dtype=torch.float32, device=src.device).t()
     return codes, scales

@@ -37,6 +37,7 @@ from ..compiler import (
     torch_to_cutlass_dtype,
 )
 from .fp8_group import lanes_per_group, quantize_group_fp8
+from .host_checks import check_rows_16b
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GRID_Y = 65535
@@ -128,8 +129,7 @@ def quant_fp8_cuda(x: torch.Tensor, group_size: int, scale_fmt: str | None, colu
     reason = QuantFp8Kernel.can_implement(x.dtype, group_size)
     if reason is not None:
         raise NotImplementedError(f"cute_moe.quant_fp8: no CUDA kernel for this input: {reason}")
-    if x.stride(-1) != 1 or (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-        raise ValueError("cute_moe.quant_fp8: x must have unit column stride and a 16-byte aligned base and row stride")
+    check_rows_16b("quant_fp8", "x", x)
     m, k = x.shape
     row_blocks = -(-m // QuantFp8Kernel.rows_per_cta_for(x.element_size(), group_size))
     if row_blocks > _MAX_GRID_Y:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import torch
 from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
@@ -180,16 +179,6 @@ def weighted_row_sum(
 
 
 # ----------------------------------------------------------------------------- host
-
-
-def check_rows_16b(op: str, name: str, t: torch.Tensor) -> None:
-    """ValueError unless the base and every stride but the last (of dims of size > 1) are multiples of 16 bytes."""
-    item = t.element_size()
-    if t.data_ptr() % 16 or any((t.stride(d) * item) % 16 for d in range(t.dim() - 1) if t.shape[d] > 1):
-        raise ValueError(
-            f"cute_moe.{op}: {name} needs a 16-byte aligned base and strides (but the last) that are "
-            f"multiples of 16 bytes, got strides {tuple(t.stride())} of {item}-byte elements"
-        )
 
 
 def check_slabs(op: str, hidden: int, cols_per_cta: int) -> None:

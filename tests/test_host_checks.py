@@ -1,0 +1,38 @@
+"""The launch-time checks shared by the kernels' host code (run on CPU tensors here)."""
+import pytest
+import torch
+
+from cute_moe.kernels.host_checks import check_rows_16b, debug_check_index_range
+
+
+def test_rows_16b_accepts_aligned_rows_and_size_one_dims():
+    check_rows_16b("op", "x", torch.zeros(4, 64, dtype=torch.bfloat16))
+    check_rows_16b("op", "x", torch.zeros(3, 1, 64, dtype=torch.bfloat16)[:, :, :])  # size-1 dim: any stride
+    check_rows_16b("op", "x", torch.zeros(8, 2, 128, dtype=torch.float32).transpose(0, 1))  # bhsd-like view
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(4, 68, dtype=torch.bfloat16)[:, :64],  # row stride 136 bytes
+        lambda: torch.zeros(4, 64, dtype=torch.bfloat16)[:, 4:36],  # base 8 bytes in
+        lambda: torch.zeros(64, 4, dtype=torch.bfloat16).t(),  # last stride != 1
+    ],
+)
+def test_rows_16b_rejects_what_vector_loads_cannot_take(make):
+    with pytest.raises(ValueError, match="cute_moe.op: x needs a unit last stride"):
+        check_rows_16b("op", "x", make())
+
+
+def test_debug_index_range_is_off_by_default(monkeypatch):
+    monkeypatch.delenv("CUTE_MOE_DEBUG", raising=False)
+    debug_check_index_range("op", "ids", torch.tensor([[-5, 99]]), 10)  # not read: no error
+
+
+def test_debug_index_range_names_the_first_bad_entry(monkeypatch):
+    monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
+    debug_check_index_range("op", "ids", torch.tensor([[-1, 0], [9, 3]]), 10)
+    with pytest.raises(ValueError, match=r"cute_moe.op: ids holds entries outside \[-1, 10\) \(first at \(1, 0\)\)"):
+        debug_check_index_range("op", "ids", torch.tensor([[-1, 0], [10, 3]]), 10)
+    with pytest.raises(ValueError, match=r"first at \(0, 1\)"):
+        debug_check_index_range("op", "ids", torch.tensor([[0, -2]]), 10)
