@@ -126,17 +126,6 @@ def _as_scales(s: Tensor, mn_major: bool) -> Tensor:
     return out.copy_(s)
 
 
-def _no_cuda_kernel(opdef: Any, name: str, validate: Callable[..., None]) -> None:
-    """Register a CUDA implementation that validates, then says plainly there is no kernel."""
-
-    def cuda_impl(*args: Any, **kwargs: Any) -> Any:
-        validate(*args, **kwargs)
-        raise NotImplementedError(f"cute_moe.{name}: no CUDA kernel yet")
-
-    cuda_impl.__name__ = f"{name}_cuda"
-    opdef.register_kernel("cuda", cuda_impl)
-
-
 # ----------------------------------------------------------------------------
 # quant_fp8
 # ----------------------------------------------------------------------------
@@ -189,7 +178,20 @@ def route(
     return ids.contiguous(), w.contiguous()
 
 
-_no_cuda_kernel(route, "route", V.validate_route)
+@route.register_kernel("cuda")
+def _route_cuda(
+    router_logits: Tensor,
+    top_k: int,
+    method: str,
+    score_bias: Optional[Tensor] = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    from cute_moe.kernels.route import route_cuda
+
+    return route_cuda(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
 
 
 @route.register_fake
@@ -219,7 +221,23 @@ def align(
     return tuple(o.contiguous() for o in outs)  # type: ignore[return-value]
 
 
-_no_cuda_kernel(align, "align", V.validate_align)
+@align.register_kernel("cuda")
+def _align_cuda(
+    topk_ids: Tensor,
+    num_experts: int,
+    alignment: int = 128,
+    expert_offset: int = 0,
+    num_local_experts: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    V.validate_align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
+    from cute_moe.kernels.align import align_cuda
+    from cute_moe.kernels.host_checks import debug_check_index_range
+
+    # The kernel reads int32 ids; an int64 id outside int32 is outside [0, num_experts) anyway,
+    # and the debug mode names it before the narrowing could hide it.
+    debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
+    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+    return align_cuda(ids, num_experts, alignment, expert_offset, num_local_experts)
 
 
 @align.register_fake
@@ -309,7 +327,12 @@ def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, exp
     return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets).contiguous()
 
 
-_no_cuda_kernel(grouped_gemm_fp8, "grouped_gemm_fp8", V.validate_grouped_gemm_fp8)
+@grouped_gemm_fp8.register_kernel("cuda")
+def _grouped_gemm_fp8_cuda(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
+    from cute_moe.kernels.grouped_gemm import grouped_gemm_fp8_cuda
+
+    return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets)
 
 
 @grouped_gemm_fp8.register_fake

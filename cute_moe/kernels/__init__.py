@@ -14,4 +14,7 @@ KERNEL_MODULES = {
     "permute": "cute_moe.kernels.permute_quant",
     "silu_mul_quant": "cute_moe.kernels.silu_mul_quant",
     "moe_reduce": "cute_moe.kernels.moe_reduce",
+    "route": "cute_moe.kernels.route",
+    "align": "cute_moe.kernels.align",
+    "grouped_gemm_fp8": "cute_moe.kernels.grouped_gemm",
 }

@@ -1,0 +1,25 @@
+"""grouped_gemm_fp8's CUDA entry point: the kernel for the device's architecture.
+
+``sm_90a`` (H100/H200): ``grouped_gemm_sm90`` — run and checked on an H200.
+Other architectures raise ``NotImplementedError`` naming the architecture.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..compiler import arch_of_device
+
+
+def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets) -> torch.Tensor:
+    arch = arch_of_device(a.device)
+    if arch == "sm_90a":
+        from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda as launch
+    else:
+        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch} yet")
+    return launch(a, a_scale, b, b_scale, expert_offsets)
+
+
+def inspect_variants(arch: str):
+    from . import grouped_gemm_sm90
+
+    return grouped_gemm_sm90.inspect_variants(arch)
