@@ -1,12 +1,14 @@
 """grouped_gemm_fp8 on the GPU beside torch's built-ins, same run: µs, TFLOPS, GB/s, share of
 the measured copy bandwidth; a table, a JSON file and a PNG.
 
-    python bench/bench_grouped_gemm.py [--no-kernel] [--only SUBSTR] [--reps N] [--json PATH] [--png PATH]
+    python bench/bench_grouped_gemm.py [--no-kernel] [--no-promotion] [--only SUBSTR] [--reps N] [--json PATH] [--png PATH]
 
 Implementations (each row of the table):
 
 * ``cute_moe``        ``cute_moe.kernels.grouped_gemm_sm90.grouped_gemm_fp8_cuda`` (1x128 A scales,
                       128x128 B scales); left out with ``--no-kernel`` (runs before the kernel exists).
+* ``cute_moe_unscaled`` (``--no-promotion``) the same kernel, tiles and pipeline with the block scales
+                      dropped (one accumulator, no promotion): what the promotion costs, measured.
 * ``cublas_block``    ``torch._scaled_mm`` with blockwise 1x128 / 128x128 f32 scales (cuBLAS), a *dense*
                       GEMM with the same FLOPs: M = all routed rows (decode: rounded up to 16),
                       one expert's N x K weight.  Convention (torch 2.9-2.11): ``scale_a`` [M, K/128]
@@ -51,7 +53,7 @@ FP8 = torch.float8_e4m3fn
 NK = ((4096, 7168), (7168, 2048))  # DeepSeek-V3: w13 (2I x H) and w2 (H x I)
 DSV3_EXPERTS, DSV3_TOPK = 256, 8
 DECODE_TOKENS = (1, 16, 128, 1024)
-IMPLS = ("cute_moe", "cublas_block", "scaled_grouped", "bf16_grouped")
+IMPLS = ("cute_moe", "cute_moe_unscaled", "cublas_block", "scaled_grouped", "bf16_grouped")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -284,6 +286,12 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
         us, how = _time(timer, lambda: fn(*args), reps)
         row("cute_moe", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, note)
 
+    if "cute_moe_unscaled" in impls:
+        fn = impls["cute_moe_unscaled"]
+        args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets)
+        us, how = _time(timer, lambda: fn(*args), reps)
+        row("cute_moe_unscaled", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, "no scale promotion")
+
     if "cublas_block" in impls:
         if scaled_mm_layout is None:
             row("cublas_block", None, None, 0, 0, 0, impls["cublas_block"])
@@ -389,6 +397,8 @@ def main() -> None:
     parser.add_argument("--json", default=os.path.join(out_dir, "bench_grouped_gemm.json"))
     parser.add_argument("--png", default=None, help="default: the JSON path with .png")
     parser.add_argument("--no-kernel", action="store_true", help="bench only the torch peers (no cute_moe kernel)")
+    parser.add_argument("--no-promotion", action="store_true",
+                        help="also run cute_moe's kernel with the block scales dropped (same tiles)")
     parser.add_argument("--only", default=None, help="only shapes whose name contains this substring")
     parser.add_argument("--reps", type=int, default=100)
     args = parser.parse_args()
@@ -403,6 +413,8 @@ def main() -> None:
         except ImportError as exc:
             sys.exit(f"cute_moe's grouped GEMM kernel is not importable ({exc}); run with --no-kernel for the peers")
         impls["cute_moe"] = grouped_gemm_fp8_cuda
+        if args.no_promotion:
+            impls["cute_moe_unscaled"] = lambda *a: grouped_gemm_fp8_cuda(*a, block_scaled=False)
     layout, msg_mm = probe_scaled_mm_blockwise()
     impls["cublas_block"] = msg_mm
     ok_sg, msg_sg = probe_scaled_grouped_mm()

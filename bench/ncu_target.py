@@ -26,7 +26,16 @@ def _quant():
     return lambda: cute_moe.quant_fp8(x)
 
 
+def _gemm(n, k, groups=4, rows=8192):
+    from tests.test_gpu_grouped_gemm import make_problem, routing_from_counts
+
+    p = make_problem(groups, n, k, routing_from_counts([rows] * groups, m_cap=groups * rows), seed=1)
+    return lambda: torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
+
+
 TARGETS = {
+    "gemm_w13": lambda: _gemm(4096, 7168),
+    "gemm_w2": lambda: _gemm(7168, 2048),
     "kv_llama_prefill": lambda: _kv(8, 128, True),
     "kv_mla_prefill": lambda: _kv(1, 512, False),
     "quant_16384": _quant,

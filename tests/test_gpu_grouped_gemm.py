@@ -277,6 +277,9 @@ CASES = {
     "E256_N2112_K7168_T128": (256, 2112, 7168, lambda s: routing_from_topk(128, 8, 256, s)),
     "dsv3_w2_E256_T16_same_experts": (
         256, 7168, 2048, lambda s: routing_from_topk(16, 8, 256, s, one_hot_experts=True)),
+    # odd K block counts (1 and 3: the main loop's odd tail; the K values above are all even)
+    "E4_N256_K128": (4, 256, 128, lambda s: routing_from_counts(deepgemm_counts(4, 200, random.Random(s)))),
+    "E8_N384_K384_ragged": (8, 384, 384, lambda s: routing_from_counts(empty_counts(8, 300, random.Random(s)))),
 }  # fmt: skip
 
 
@@ -285,6 +288,37 @@ def test_grouped_gemm_fp8(case):
     E, N, K, build = CASES[case]
     seed = sum(map(ord, case)) * 7919
     run_checked(make_problem(E, N, K, build(seed), seed))
+
+
+def test_grouped_gemm_fp8_op_runs_this_kernel():
+    """torch.ops.cute_moe.grouped_gemm_fp8 on the GPU is this kernel (bit-identical output)."""
+    p = make_problem(8, 512, 2048, routing_from_counts(deepgemm_counts(8, 300, random.Random(5))), seed=5)
+    want = gg.grouped_gemm_fp8_cuda(*p.args())
+    got = torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
+    check_output(got, p)
+    assert torch.equal(got, want)
+
+
+def test_grouped_gemm_fp8_misaligned_segments_give_nan():
+    """Segments that are not multiples of 128 rows: the tiles they touch are NaN, never plausible
+    wrong values; a tile of an aligned segment is still right."""
+    routing = routing_from_counts([128, 72, 184])  # finite A rows up to 512
+    p = make_problem(3, 256, 1024, routing, seed=31)
+    p.routing.offsets.copy_(torch.tensor([0, 128, 200, 384], dtype=torch.int32))
+    c = gg.grouped_gemm_fp8_cuda(*p.args())
+    want = grouped_gemm_fp8_ref(p.a[:128], p.a_scale[:128], p.b, p.b_scale,
+                                torch.tensor([0, 128, 128, 128], dtype=torch.int32, device="cuda"))  # fmt: skip
+    rel = ((c[:128].float() - want.float()).norm() / want.float().norm()).item()
+    assert rel <= REL_L2
+    assert bool(c[128:384].isnan().all()), "a misaligned segment's tiles must be NaN"
+
+
+def test_grouped_gemm_fp8_rejects_unaligned_a_scale():
+    p = make_problem(2, 256, 512, routing_from_counts([128, 0]), seed=32)
+    odd_stride = torch.empty(p.a_scale.shape[1], p.a_scale.shape[0] + 1, device="cuda")[:, : p.a_scale.shape[0]].t()
+    odd_stride.copy_(p.a_scale)
+    with pytest.raises(ValueError, match="a_scale"):
+        gg.grouped_gemm_fp8_cuda(p.a, odd_stride, p.b, p.b_scale, p.routing.offsets)
 
 
 def test_grouped_gemm_fp8_all_experts_empty():

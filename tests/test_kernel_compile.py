@@ -84,15 +84,17 @@ def test_import_is_cheap_and_gpu_free():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_grouped_gemm_sm90_sass():
-    """The issue's CI check: QGMMA and UTMALDG present, no local memory, within 227 KB of smem."""
-    proc = _inspect("grouped_gemm_fp8", "sm_90a", "--json")
+@pytest.mark.parametrize("arch,mma", [("sm_90a", "QGMMA"), ("sm_100a", "UTCQMMA")])
+def test_grouped_gemm_sass(arch, mma):
+    """The issues' CI check through the inspect CLI: FP8 tensor-core MMA (Hopper WGMMA, Blackwell
+    tcgen05) and TMA present, no local memory, within 227 KB of shared memory."""
+    proc = _inspect("grouped_gemm_fp8", arch, "--json")
     assert proc.returncode == 0, proc.stderr
     kernels = json.loads(proc.stdout)["kernels"]
     assert kernels
     for kernel in kernels:
         counts = kernel["sass_counts"]
-        assert counts.get("QGMMA", 0) >= 4, "FP8 WGMMA missing: the kernel is on a slow path"
-        assert counts.get("UTMALDG", 0) >= 2, "A and B must come in by TMA"
+        assert counts.get(mma, 0) >= 4, f"{mma} missing: the kernel is on a slow path"
+        assert counts.get("UTMALDG", 0) >= 2 and counts.get("UTMASTG", 0) >= 1, "A, B in and C out by TMA"
         assert "LDL" not in counts and "STL" not in counts and kernel["spill_bytes"] == 0
         assert kernel["smem_bytes"] <= 227 * 1024

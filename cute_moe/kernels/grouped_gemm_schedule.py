@@ -1,0 +1,148 @@
+"""The grouped GEMMs' tile schedule and host checks, shared by the sm_90a and sm_100a kernels.
+
+Persistent schedule: the host launches ``launch_grid(M_cap, N, #SMs)`` CTAs, the only
+routing-independent bound.  Output tiles are 128 x 128 and numbered ``t = m_tile * n_tiles +
+n_tile`` (with clusters of ``cluster_n`` CTAs along N, ``t`` numbers groups of ``cluster_n``
+adjacent N tiles, visited by one cluster; N fastest: the CTAs running together share the A rows of an M tile and walk one
+expert's weights, which stay in L2 for that expert's next M tile).  Segments are multiples of
+128 rows (``ROW_ALIGNMENT``; ``align`` pads them), so tile rows ``[128 m, 128 m + 128)`` lie in
+one expert and the tiles below ``expert_offsets[-1]`` form the prefix ``t < ceil(end / 128) *
+n_tiles``: CTA ``b`` visits ``t = b, b + grid, ...`` below that bound, reading ``end`` on the
+device.  The expert of a tile is the number of segment ends at or below its first row (a warp
+sum).  Nothing about the routing is a compile-time constant: one binary serves every routing.
+
+``tile_schedule`` is the executable model of that arithmetic (tested on the CPU).  Also here: the
+device helpers both kernels run (expert lookup, the scale copy) and their shared host side.
+"""
+from __future__ import annotations
+
+import functools
+
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Int32
+
+from ..compiler import arch_of_device
+
+TILE_M, TILE_N, TILE_K = 128, 128, 128
+ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
+
+
+def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1) -> int:
+    """CTAs the host launches: one per SM (a multiple of ``cluster_n``), fewer when M_cap x N has
+    fewer tiles."""
+    clusters = min(num_sms // cluster_n, (m_cap // TILE_M) * -(-n // (TILE_N * cluster_n)))
+    return cluster_n * max(1, clusters)
+
+
+def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
+                  cluster_n: int = 1) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+    """The (m_tile, n_tile, expert) triples each CTA visits, in order: the kernels' arithmetic.
+
+    ``len(result)`` is the launched grid.  The ``cluster_n`` CTAs of a cluster (consecutive
+    block indices) take the ``cluster_n`` adjacent N tiles of one M tile together (they share
+    its A tile by TMA multicast); an N tile past the last one is visited (it feeds the
+    multicast) but writes nothing.  Tiles at or past ``expert_offsets[-1]`` are never visited;
+    the expert of a tile is the number of segment ends at or below its first row.
+    """
+    grid = launch_grid(m_cap, n, num_sms, cluster_n)
+    n_groups = -(-n // (TILE_N * cluster_n))
+    end = min(expert_offsets[-1], m_cap)
+    valid = -(-end // TILE_M) * n_groups
+    ends = expert_offsets[1:]
+    out = []
+    for cta in range(grid):
+        cluster, rank = divmod(cta, cluster_n)
+        visits = []
+        for t in range(cluster, valid, grid // cluster_n):
+            m_tile, group = divmod(t, n_groups)
+            visits.append((m_tile, group * cluster_n + rank, sum(e <= m_tile * TILE_M for e in ends)))
+        out.append(visits)
+    return out
+
+
+@cute.jit
+def expert_of_row(mOff: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32) -> Int32:
+    """The expert whose segment holds ``row``: how many segment ends are <= row (a warp sum)."""
+    count = Int32(0)
+    for i in cutlass.range(lane, num_experts, 32, unroll=1):
+        if mOff[i + 1] <= row:
+            count += 1
+    return cute.arch.warp_reduction_sum(count)
+
+
+@cute.jit
+def valid_tiles(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n_groups: Int32) -> Int32:
+    """Tile groups (one per cluster visit) below the last segment end (read on the device;
+    clamped to M_cap)."""
+    end = min(mOff[num_experts], m_cap)
+    return (max(end, 0) + TILE_M - 1) // TILE_M * n_groups
+
+
+@cute.jit
+def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, m_tile: Int32,
+                      n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32):  # fmt: skip
+    """cp.async of one K block's scales into a stage, by one warp: the tile's 128 A scales
+    (``a_scale`` is MN-major: 16 contiguous bytes per lane) and, from lane 0, its B scale (none
+    for an N tile past the last, a multicast-only visit).  ``gSB``: the expert's (N blocks, K blocks)."""
+    per_lane = TILE_M // 32
+    copy_a = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * per_lane)
+    copy_b = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32)
+    cute.copy(copy_a, cute.local_tile(mSA, (per_lane, 1), (m_tile * 32 + lane, k_tile)),
+              cute.local_tile(sSA, (per_lane, 1), (lane, stage)))  # fmt: skip
+    if lane == 0:
+        if n_tile < gSB.shape[0]:
+            cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (n_tile, k_tile)), cute.local_tile(sSB, (1, 1), (0, stage)))
+
+
+def can_implement(m_cap: int, n: int, k: int) -> str | None:
+    """Why the kernels cannot take this problem, or None."""
+    if k % TILE_K or k == 0:
+        return f"K must be a positive multiple of {TILE_K}, got {k}"
+    if n % 8 or n == 0:
+        return f"N must be a positive multiple of 8, got {n}"
+    if m_cap % TILE_M:
+        return f"M_cap must be a multiple of {TILE_M} (align with alignment={ROW_ALIGNMENT}), got {m_cap}"
+    return None
+
+
+def prepare_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
+    """a_scale as the kernels load it: MN-major, 16-byte aligned base and column stride (the 128
+    scales of a tile and K block are copied in 16-byte pieces).  ValueError otherwise."""
+    m_cap = a_scale.shape[0]
+    if a_scale.shape[1] == 1:  # K = 128: the column stride is never used; give it the declared divisibility
+        a_scale = a_scale.as_strided(a_scale.shape, (1, m_cap))
+    if a_scale.stride(0) != 1 or a_scale.data_ptr() % 16 or a_scale.stride(1) % 4:
+        raise ValueError(
+            "cute_moe.grouped_gemm_fp8: a_scale must be MN-major (stride(0) == 1) with a 16-byte aligned base "
+            f"and stride(1) % 4 == 0 (what permute_quant and silu_mul_quant write), got strides "
+            f"{tuple(a_scale.stride())}"
+        )
+    return a_scale
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets) -> torch.Tensor:
+    """The host side both kernels share: checks, the output, the grid, the call on a's device and
+    current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``."""
+    m_cap, k = a.shape
+    n = b.shape[1]
+    reason = can_implement(m_cap, n, k)
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no {arch} kernel for this input: {reason}")
+    c = torch.empty((m_cap, n), dtype=torch.bfloat16, device=a.device)
+    if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
+        return c
+    a_scale = prepare_a_scale(a_scale)
+    device_arch = arch_of_device(a.device)
+    if device_arch != arch:
+        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    grid = launch_grid(m_cap, n, num_sms(device), cluster_n)
+    compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, grid)
+    return c

@@ -1,0 +1,76 @@
+"""The grouped GEMMs' persistent tile schedule on the CPU.
+
+``grouped_gemm_schedule.tile_schedule`` is the executable model of the arithmetic both kernels
+run (sm_90a with clusters of 2 CTAs along N sharing A by multicast, sm_100a with single CTAs):
+for routings drawn like the GPU tests' (ragged, empty experts, one hot expert, decode sizes, no
+rows), the launched grid visits every output tile below ``expert_offsets[-1]`` exactly once,
+inside its expert's segment, in increasing order per CTA, and a cluster's CTAs visit tiles in
+lockstep (a multicast needs both)."""
+import random
+
+import pytest
+
+from cute_moe.kernels import grouped_gemm_schedule as gs
+
+
+def _padded_offsets(counts):
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + -(-c // gs.TILE_M) * gs.TILE_M)
+    return offsets
+
+
+def _routings(rng):
+    """(name, counts, spare rows past the last segment)."""
+    E = rng.choice([1, 8, 32, 256])
+    ragged = [int(rng.choice([96, 512, 4096]) * rng.uniform(0.7, 1.3)) for _ in range(E)]
+    yield "ragged", ragged, rng.choice([0, 128, 1024])
+    yield "empty_experts", [0 if e in (0, E - 1) or rng.random() < 0.5 else c for e, c in enumerate(ragged)], 128
+    hot = rng.randrange(E)
+    yield "one_hot_expert", [rng.randint(1, 9000) if e == hot else 0 for e in range(E)], rng.choice([0, 256])
+    yield "decode", [0 if rng.random() < 0.25 else rng.randint(1, 16) for _ in range(E)], 128
+    yield "zero_rows", [0] * E, rng.choice([0, 128, 4096])
+
+
+@pytest.mark.parametrize("cluster_n", [1, 2])
+@pytest.mark.parametrize("seed", range(30))
+def test_schedule_covers_every_tile_once(seed, cluster_n):
+    rng = random.Random(seed)
+    for name, counts, spare in _routings(rng):
+        offsets = _padded_offsets(counts)
+        m_cap = offsets[-1] + spare
+        if m_cap == 0:
+            continue  # the launchers return before any launch
+        n = rng.choice([128, 256, 384, 512, 2112, 4096, 7168, 8, 200])
+        num_sms = rng.choice([148, 132, 16, 2])
+        plan = gs.tile_schedule(offsets, m_cap, n, num_sms, cluster_n)
+        n_tiles = -(-n // gs.TILE_N)
+        n_groups = -(-n_tiles // cluster_n)
+        grid = gs.launch_grid(m_cap, n, num_sms, cluster_n)
+        assert len(plan) == grid == cluster_n * min(num_sms // cluster_n, m_cap // gs.TILE_M * n_groups), name
+
+        seen = {}
+        for cta, visits in enumerate(plan):
+            assert len(visits) == len(plan[cta - cta % cluster_n]), f"{name}: a cluster's CTAs out of step"
+            linear = [m * n_groups + nt // cluster_n for m, nt, _ in visits]
+            assert linear == sorted(linear) and all(t % (grid // cluster_n) == cta // cluster_n for t in linear)
+            for m_tile, n_tile, expert in visits:
+                assert n_tile % cluster_n == cta % cluster_n
+                if n_tile >= n_tiles:  # a multicast-only visit: only in the last, partial group
+                    assert cluster_n > 1 and n_tiles % cluster_n and n_tile == n_groups * cluster_n - 1
+                    continue
+                assert (m_tile, n_tile) not in seen, f"{name}: tile {(m_tile, n_tile)} visited twice"
+                seen[(m_tile, n_tile)] = expert
+        want = {(m, nt) for m in range(offsets[-1] // gs.TILE_M) for nt in range(n_tiles)}
+        assert set(seen) == want, f"{name}: {len(want - set(seen))} tiles missed, {len(set(seen) - want)} extra"
+        for (m_tile, _), expert in seen.items():
+            lo, hi = offsets[expert], offsets[expert + 1]
+            assert lo <= m_tile * gs.TILE_M and (m_tile + 1) * gs.TILE_M <= hi, f"{name}: tile {m_tile} not in {expert}"
+
+
+def test_schedule_balances_ctas():
+    # 40 M tiles x 17 N tiles over 148 CTAs: every CTA gets 4 or 5 tiles, N fastest.
+    offsets = _padded_offsets([40 * 128 - 5])
+    plan = gs.tile_schedule(offsets, 40 * 128 + 256, 2112, 148)
+    assert {len(v) for v in plan} == {4, 5}
+    assert plan[0][:2] == [(0, 0, 0), (8, 12, 0)]  # tile 0, then tile 148 = 8 * 17 + 12

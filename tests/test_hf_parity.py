@@ -1,0 +1,268 @@
+"""cute_moe.FusedMoE against HuggingFace transformers' own MoE blocks (CPU, small random configs).
+
+For DeepseekV3MoE, Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock: the HF block gets *our*
+dequantized FP8 expert weights (``dequant_block_128x128_ref`` of the 128x128-quantized weights, so
+both sides use the identical weights), runs in float32, and sees the same hidden states. Checked:
+
+* routing: the HF router's top-k ids equal ours (as sets per token: HF's ``torch.topk(sorted=False)``
+  order is unspecified) and its weights equal ours to 1e-6; our layer gets the HF router's logits;
+* the layer output, within the FP8-activation tolerance derived below;
+* the expert path alone on FP8-rounded inputs, within a tighter bound.
+
+DeepSeek-V3's shared expert is not part of ``FusedMoE``: its output (HF's own ``shared_experts``
+module, f32) is added to ours, as a model would, and compared with the HF block's full output.
+
+Tolerance. Our path quantizes activations to FP8 e4m3 twice (the input x, 1x128 groups, before
+GEMM1; the SwiGLU output before GEMM2), HF's runs in f32. One e4m3 rounding with a per-128 amax
+scale has a relative L2 error eps ~ 2.3-2.6% (3 mantissa bits: the error is uniform in +-ulp/2,
+ulp/|x| in (2^-4, 2^-3], RMS ~ 2^-3.5/sqrt(12); measured 2.6% on Gaussian rows, 2.3% on
+silu(g)*u). The error of x reaches both the gate and the up projection, so silu(gate)*up carries
+~sqrt(2)*eps ~ 3.7%, and the second quantization adds its own eps: sqrt(0.037^2 + 0.023^2) ~ 4.3%
+relative L2 on the output (the bf16 roundings of h, y and out add ~0.2%), which is what these tests
+measure (4.0-4.5% over seeds and models). Bound: ``REL_L2 = 6e-2`` (1.4x the prediction) for the whole
+output and 0.1 for any single token (H = 256 elements: a noisier estimate, measured <= 6.4%).
+Feeding HF the FP8-rounded input ``dequant(quant_fp8(x))`` instead (same routing) leaves only the
+second quantization: predicted ~2.3%, measured 2.2-2.4%, bound ``REL_L2_XQ = 3.5e-2`` (per token 0.05).
+A wrong expert, a swapped gate/up half or a wrong routing weight gives errors of order 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cute_moe import FusedMoE
+from cute_moe import reference as R
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+H, I, T = 256, 128, 32
+REL_L2, REL_L2_TOKEN = 6e-2, 0.1
+REL_L2_XQ, REL_L2_XQ_TOKEN = 3.5e-2, 0.05
+
+
+def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm() / want.norm()).item()
+
+
+def _rel_l2_token(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double(), want.double()
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+
+
+def _eager(config):
+    # transformers >= 5 dispatches the experts' forward on config._experts_implementation
+    if hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "eager"
+    return config
+
+
+def _set_hf_experts(block, w13: torch.Tensor, w2: torch.Tensor, names: tuple[str, str, str]) -> None:
+    """Put f32 expert weights (w13 [E, 2I, H] gate rows first, w2 [E, H, I]) into the HF block.
+
+    transformers >= 5 stores them fused (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj``
+    [E, H, I], possibly transposed); 4.x has a ModuleList of per-expert MLPs."""
+    experts = block.experts
+    inter = w13.shape[1] // 2
+    with torch.no_grad():
+        if hasattr(experts, "gate_up_proj"):
+            assert getattr(experts, "is_concatenated", True), "interleaved gate/up layout not handled"
+            transposed = getattr(experts, "is_transposed", False)
+            gu, dn = (w13.transpose(1, 2), w2.transpose(1, 2)) if transposed else (w13, w2)
+            assert experts.gate_up_proj.shape == gu.shape and experts.down_proj.shape == dn.shape
+            experts.gate_up_proj.copy_(gu)
+            experts.down_proj.copy_(dn)
+        else:
+            for e, mlp in enumerate(experts):
+                getattr(mlp, names[0]).weight.copy_(w13[e, :inter])
+                getattr(mlp, names[1]).weight.copy_(w13[e, inter:])
+                getattr(mlp, names[2]).weight.copy_(w2[e])
+
+
+def _hf_route(block, x: torch.Tensor, top_k: int, norm_topk_prob: bool):
+    """(router_logits f32 [T, E], topk_weights [T, k], topk_ids [T, k]) from the HF block's router.
+
+    transformers >= 5: the router module returns all three. 4.x: Mixtral / Qwen3 have a Linear gate
+    (logits; the top-k is the block's softmax -> topk -> renormalize, recomputed here), DeepSeek-V3's
+    router returns (ids, weights)."""
+    out = block.gate(x)
+    if isinstance(out, tuple) and len(out) == 3:
+        return out[0].float(), out[1].float(), out[2]
+    if isinstance(out, tuple) and len(out) == 2:
+        ids, w = out
+        return torch.nn.functional.linear(x.float(), block.gate.weight.float()), w.float(), ids
+    logits = out.float()
+    probs = torch.softmax(logits, dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return logits, w, ids
+
+
+def _check_routing(layer: FusedMoE, logits: torch.Tensor, hf_w: torch.Tensor, hf_ids: torch.Tensor) -> None:
+    ids, w = layer.route(logits)
+    ours_order, hf_order = ids.long().argsort(dim=1), hf_ids.long().argsort(dim=1)
+    assert torch.equal(ids.long().gather(1, ours_order), hf_ids.long().gather(1, hf_order)), "top-k ids differ"
+    torch.testing.assert_close(w.gather(1, ours_order), hf_w.gather(1, hf_order), rtol=1e-6, atol=1e-6)
+
+
+def _check_outputs(layer: FusedMoE, block, x: torch.Tensor, logits, hf_w, hf_ids, got, want) -> None:
+    err, err_tok = _rel_l2(got, want), _rel_l2_token(got, want)
+    assert err <= REL_L2 and err_tok <= REL_L2_TOKEN, (err, err_tok)
+    if not hasattr(block.experts, "gate_up_proj"):  # 4.x experts: no (x, ids, weights) entry point
+        return
+    q, s = R.quant_fp8_ref(x)
+    xq = q.float() * s.repeat_interleave(128, dim=1)  # exactly what our first GEMM multiplies
+    with torch.no_grad():
+        want_q = block.experts(xq, hf_ids, hf_w)
+    routed = layer(x, logits)
+    err, err_tok = _rel_l2(routed, want_q), _rel_l2_token(routed, want_q)
+    assert err <= REL_L2_XQ and err_tok <= REL_L2_XQ_TOKEN, (err, err_tok)
+
+
+def _weights(g: torch.Generator, E: int) -> tuple[torch.Tensor, torch.Tensor]:
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H**-0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) * I**-0.5).bfloat16()
+    return w13, w2
+
+
+def _hf_checkpoint(layer: FusedMoE, prefix: str, gate_weight: torch.Tensor, bias, names) -> dict:
+    """The layer in the HF DeepSeek-V3 FP8 checkpoint format (gate rows first in w13)."""
+    sd = {f"{prefix}gate.weight": gate_weight.bfloat16()}
+    if bias is not None:
+        sd[f"{prefix}gate.e_score_correction_bias"] = bias
+    for e in range(layer.num_local_experts):
+        for name, w, s in ((names[0], layer.w13[e, :I], layer.w13_scale[e, : I // 128]),
+                           (names[1], layer.w13[e, I:], layer.w13_scale[e, I // 128 :]),
+                           (names[2], layer.w2[e], layer.w2_scale[e])):  # fmt: skip
+            sd[f"{prefix}experts.{e}.{name}.weight"] = w.contiguous()
+            sd[f"{prefix}experts.{e}.{name}.weight_scale_inv"] = s.contiguous()
+    return sd
+
+
+# ----------------------------------------------------------------------------- DeepSeek-V3
+
+
+def _deepseek_block(E: int, top_k: int, n_group: int, topk_group: int, scaling: float):
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = DeepseekV3Config(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E, num_experts_per_tok=top_k,
+                           n_group=n_group, topk_group=topk_group, routed_scaling_factor=scaling,
+                           norm_topk_prob=True, n_shared_experts=1, hidden_act="silu")  # fmt: skip
+    return DeepseekV3MoE(_eager(cfg)).float().eval()
+
+
+@pytest.mark.parametrize("tokens", [1, T])
+def test_deepseek_v3_moe(tokens: int, tmp_path) -> None:
+    """HF FP8 checkpoint (safetensors file) -> FusedMoE.from_hf_fp8, against DeepseekV3MoE on the
+    dequantized checkpoint; shared expert added from the HF block."""
+    E, top_k, n_group, topk_group, scaling = 16, 4, 4, 2, 2.5
+    g = torch.Generator().manual_seed(100 + tokens)
+    w13, w2 = _weights(g, E)
+    bias = torch.randn(E, generator=g) * 0.1
+    gate_w = torch.randn(E, H, generator=g) * H**-0.5
+    quantized = FusedMoE.from_bf16(w13, w2, top_k=top_k)
+    prefix = "model.layers.3.mlp."
+    path = tmp_path / "model.safetensors"
+    safetensors_torch.save_file(_hf_checkpoint(quantized, prefix, gate_w, bias, ("gate_proj", "up_proj", "down_proj")),
+                                str(path))  # fmt: skip
+    layer = FusedMoE.from_hf_fp8(path, prefix, E, top_k, routing_method="deepseek_v3", n_group=n_group,
+                                 topk_group=topk_group, routed_scaling_factor=scaling)  # fmt: skip
+    assert layer.score_bias is not None and torch.equal(layer.score_bias, bias)
+
+    block = _deepseek_block(E, top_k, n_group, topk_group, scaling)
+    _set_hf_experts(block, R.dequant_block_128x128_ref(layer.w13, layer.w13_scale),
+                    R.dequant_block_128x128_ref(layer.w2, layer.w2_scale), ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    with torch.no_grad():
+        block.gate.weight.copy_(gate_w.bfloat16().float())  # the checkpoint's (bf16) router weight
+        block.gate.e_score_correction_bias.copy_(bias)
+        for lin in (block.shared_experts.gate_proj, block.shared_experts.up_proj, block.shared_experts.down_proj):
+            lin.weight.normal_(0.0, lin.in_features**-0.5, generator=g)
+
+    x = torch.randn(tokens, H, generator=g).bfloat16()
+    xf = x.float()
+    with torch.no_grad():
+        logits, hf_w, hf_ids = _hf_route(block, xf, top_k, True)
+        want = block(xf[None])[0]
+        shared = block.shared_experts(xf)
+    _check_routing(layer, logits, hf_w, hf_ids)
+    got = layer(x, logits).float() + shared
+    _check_outputs(layer, block, x, logits, hf_w, hf_ids, got, want)
+
+    # expert parallelism: two ranks loaded from the same file sum to the same layer
+    ranks = [FusedMoE.from_hf_fp8(path, prefix, E, top_k, routing_method="deepseek_v3", n_group=n_group,
+                                  topk_group=topk_group, routed_scaling_factor=scaling, expert_offset=o,
+                                  num_local_experts=E // 2) for o in (0, E // 2)]  # fmt: skip
+    got_ep = sum(r(x, logits).float() for r in ranks) + shared
+    err, err_tok = _rel_l2(got_ep, want), _rel_l2_token(got_ep, want)
+    assert err <= REL_L2 and err_tok <= REL_L2_TOKEN, (err, err_tok)
+
+
+# ----------------------------------------------------------------------------- Qwen3-MoE
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_qwen3_moe_sparse_block(norm_topk_prob: bool) -> None:
+    """Qwen3MoeSparseMoeBlock: softmax -> top-k (-> renormalize when norm_topk_prob, as Qwen3-30B-A3B and
+    Qwen3-235B-A22B do) = our 'renormalize' ('softmax' without the renormalization)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    E, top_k = 16, 4
+    g = torch.Generator().manual_seed(200 + norm_topk_prob)
+    w13, w2 = _weights(g, E)
+    layer = FusedMoE.from_bf16(w13, w2, top_k=top_k, routing_method="renormalize" if norm_topk_prob else "softmax")
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=top_k,
+                         norm_topk_prob=norm_topk_prob, hidden_act="silu")  # fmt: skip
+    block = Qwen3MoeSparseMoeBlock(_eager(cfg)).float().eval()
+    _set_hf_experts(block, R.dequant_block_128x128_ref(layer.w13, layer.w13_scale),
+                    R.dequant_block_128x128_ref(layer.w2, layer.w2_scale), ("gate_proj", "up_proj", "down_proj"))  # fmt: skip
+    with torch.no_grad():
+        block.gate.weight.copy_(torch.randn(E, H, generator=g) * H**-0.5)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    xf = x.float()
+    with torch.no_grad():
+        logits, hf_w, hf_ids = _hf_route(block, xf, top_k, norm_topk_prob)
+        want = block(xf[None])[0]
+    _check_routing(layer, logits, hf_w, hf_ids)
+    _check_outputs(layer, block, x, logits, hf_w, hf_ids, layer(x, logits), want)
+
+
+# ----------------------------------------------------------------------------- Mixtral
+
+
+@pytest.mark.parametrize("gate_first", [True, False])
+def test_mixtral_sparse_moe_block(gate_first: bool) -> None:
+    """MixtralSparseMoeBlock (softmax -> top-2 -> renormalize = our 'renormalize'); weights loaded
+    through from_hf_fp8 with Mixtral's w1 / w3 / w2 names, in either w13 half order."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    E, top_k = 8, 2
+    g = torch.Generator().manual_seed(300 + gate_first)
+    w13, w2 = _weights(g, E)
+    names = ("w1", "w3", "w2")
+    prefix = "model.layers.0.block_sparse_moe."
+    gate_w = torch.randn(E, H, generator=g) * H**-0.5
+    sd = _hf_checkpoint(FusedMoE.from_bf16(w13, w2, top_k=top_k), prefix, gate_w, None, names)
+    layer = FusedMoE.from_hf_fp8(sd, prefix, E, top_k, gate_first=gate_first, proj_names=names)
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=top_k,
+                        hidden_act="silu")  # fmt: skip
+    block = MixtralSparseMoeBlock(_eager(cfg)).float().eval()
+    gate_rows, up_rows = (slice(0, I), slice(I, 2 * I)) if gate_first else (slice(I, 2 * I), slice(0, I))
+    w13_f = R.dequant_block_128x128_ref(layer.w13, layer.w13_scale)
+    _set_hf_experts(block, torch.cat([w13_f[:, gate_rows], w13_f[:, up_rows]], dim=1),
+                    R.dequant_block_128x128_ref(layer.w2, layer.w2_scale), names)  # fmt: skip
+    with torch.no_grad():
+        block.gate.weight.copy_(sd[f"{prefix}gate.weight"].float())
+    x = torch.randn(T, H, generator=g).bfloat16()
+    xf = x.float()
+    with torch.no_grad():
+        logits, hf_w, hf_ids = _hf_route(block, xf, top_k, True)
+        want = block(xf[None])[0]
+    _check_routing(layer, logits, hf_w, hf_ids)
+    _check_outputs(layer, block, x, logits, hf_w, hf_ids, layer(x, logits), want)
+
