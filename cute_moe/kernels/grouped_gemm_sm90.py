@@ -250,13 +250,19 @@ class GroupedGemmFp8Sm90:
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp0 = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp1 = cute.make_rmem_tensor(tCcC.shape, Float32)
-        # Per-element scale of tmp0's / tmp1's K block (two distinct values per thread: its two rows).
-        scl0 = cute.make_rmem_tensor(tCcC.shape, Float32)
-        scl1 = cute.make_rmem_tensor(tCcC.shape, Float32)
         # K blocks issued / finished so far by this CTA, over all its tiles: the pipeline
         # states derive from these counters (plain loop-carried integers).
-        k_read = Int32(0)
-        k_done = Int32(0)
+        # Pipeline positions (stage index, phase) of the next K block to issue (r) and to finish
+        # (d), carried across tiles as plain integers.
+        r_idx, r_ph, d_idx, d_ph = Int32(0), Int32(0), Int32(0), Int32(0)
+        # The accumulator fragment covers two rows per thread: element i's row is row0 + ROW_OFF[i].
+        c0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        row_offsets = sorted({c0[i][0] - c0[0][0] for i in range(cute.size(c0))})
+        which_row = [row_offsets.index(c0[i][0] - c0[0][0]) for i in range(cute.size(c0))]
+        rows = (tCcC[0][0], row_offsets, which_row)
+        # The scales of tmp0's / tmp1's K block, one per row of the thread.
+        scl0 = cute.make_rmem_tensor((len(row_offsets),), Float32)
+        scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile = tile // n_groups
@@ -266,74 +272,84 @@ class GroupedGemmFp8Sm90:
             misaligned = (mOff[expert] % TILE_M) | (mOff[expert + 1] % TILE_M)
             acc.fill(0.0)
             if cutlass.const_expr(self.block_scaled):
-                k_read, k_done = self.scaled_k_loop(acc, (tmp0, scl0), (tmp1, scl1), tCrA, tCrB, tCcC, sSA, sSB,
-                                                    ab_pipe, scale_pipe, k_tiles, k_read, k_done)  # fmt: skip
+                r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(acc, (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB, rows, sSA,
+                                                              sSB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph, d_idx,
+                                                              d_ph)  # fmt: skip
             else:
-                k_read, k_done = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, k_read, k_done)
+                r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx,
+                                                                r_ph, d_idx, d_ph)  # fmt: skip
             self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, misaligned, math_tidx)
         if math_tidx // 32 == 0:
             epi[-1].producer_tail()
 
     @cute.jit
-    def scaled_k_loop(self, acc, buf0, buf1, tCrA, tCrB, tCcC, sSA, sSB, ab_pipe, scale_pipe, k_tiles, k_read, k_done):
+    def scaled_k_loop(self, acc, buf0, buf1, tCrA, tCrB, rows, sSA, sSB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph,
+                      d_idx, d_ph):  # fmt: skip
         """Block 0 into buffer 0, then pairs (next -> buffer 1 while buffer 0 is promoted, next ->
         buffer 0 while buffer 1 is), then the tail by the parity of the K block count.  A buffer is
-        a temporary accumulator and its block's scales.  Returns the new counters."""
-        scales = (tCcC, sSA, sSB, scale_pipe)
-        self.issue_scaled(buf0, tCrA, tCrB, ab_pipe, scales, k_read)
-        k_read += 1
+        a temporary accumulator and its block's scales.  Returns the new pipeline positions."""
+        scales = (rows, sSA, sSB, scale_pipe)
+        self.issue_scaled(buf0, tCrA, tCrB, ab_pipe, scales, r_idx, r_ph)
+        r_idx, r_ph = self._next(r_idx, r_ph)
         for _pair in cutlass.range((k_tiles - 1) // 2, unroll=1):
-            self.issue_scaled(buf1, tCrA, tCrB, ab_pipe, scales, k_read)
-            k_read += 1
+            self.issue_scaled(buf1, tCrA, tCrB, ab_pipe, scales, r_idx, r_ph)
+            r_idx, r_ph = self._next(r_idx, r_ph)
             warpgroup.wait_group(1)
-            self.promote(acc, buf0, ab_pipe, k_done)
-            k_done += 1
-            self.issue_scaled(buf0, tCrA, tCrB, ab_pipe, scales, k_read)
-            k_read += 1
+            self.promote(acc, buf0, ab_pipe, d_idx, d_ph)
+            d_idx, d_ph = self._next(d_idx, d_ph)
+            self.issue_scaled(buf0, tCrA, tCrB, ab_pipe, scales, r_idx, r_ph)
+            r_idx, r_ph = self._next(r_idx, r_ph)
             warpgroup.wait_group(1)
-            self.promote(acc, buf1, ab_pipe, k_done)
-            k_done += 1
+            self.promote(acc, buf1, ab_pipe, d_idx, d_ph)
+            d_idx, d_ph = self._next(d_idx, d_ph)
         if k_tiles % 2 == 0:
-            self.issue_scaled(buf1, tCrA, tCrB, ab_pipe, scales, k_read)
-            k_read += 1
+            self.issue_scaled(buf1, tCrA, tCrB, ab_pipe, scales, r_idx, r_ph)
+            r_idx, r_ph = self._next(r_idx, r_ph)
             warpgroup.wait_group(1)
-            self.promote(acc, buf0, ab_pipe, k_done)
+            self.promote(acc, buf0, ab_pipe, d_idx, d_ph)
+            d_idx, d_ph = self._next(d_idx, d_ph)
             warpgroup.wait_group(0)
-            self.promote(acc, buf1, ab_pipe, k_done + 1)
-            k_done += 2
+            self.promote(acc, buf1, ab_pipe, d_idx, d_ph)
+            d_idx, d_ph = self._next(d_idx, d_ph)
         else:
             warpgroup.wait_group(0)
-            self.promote(acc, buf0, ab_pipe, k_done)
-            k_done += 1
-        return k_read, k_done
+            self.promote(acc, buf0, ab_pipe, d_idx, d_ph)
+            d_idx, d_ph = self._next(d_idx, d_ph)
+        return r_idx, r_ph, d_idx, d_ph
 
     @cute.jit
-    def unscaled_k_loop(self, acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, k_read, k_done):
+    def unscaled_k_loop(self, acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph):
         """The benchmark variant: every K block into ``acc``, one group in flight, scales unused."""
-        for _k in cutlass.range(k_tiles, unroll=1):
-            self.issue(acc, tCrA, tCrB, ab_pipe, k_read, accumulate=True)
-            k_read += 1
-            if k_read - k_done > 1:
+        for k in cutlass.range(k_tiles, unroll=1):
+            self.issue(acc, tCrA, tCrB, ab_pipe, r_idx, r_ph, accumulate=True)
+            r_idx, r_ph = self._next(r_idx, r_ph)
+            if k > 0:
                 warpgroup.wait_group(1)
-                self.release(ab_pipe, scale_pipe, k_done)
-                k_done += 1
+                self.release(ab_pipe, scale_pipe, d_idx, d_ph)
+                d_idx, d_ph = self._next(d_idx, d_ph)
         warpgroup.wait_group(0)
-        self.release(ab_pipe, scale_pipe, k_done)
-        k_done += 1
-        return k_read, k_done
-
-    def _state(self, k):
-        """Consumer pipeline state of the ``k``-th K block this CTA handles."""
-        return pipeline.PipelineState(self.stages, k, k % self.stages, (k // self.stages) % 2)
+        self.release(ab_pipe, scale_pipe, d_idx, d_ph)
+        d_idx, d_ph = self._next(d_idx, d_ph)
+        return r_idx, r_ph, d_idx, d_ph
 
     @cute.jit
-    def issue(self, tmp, tCrA, tCrB, ab_pipe, k, accumulate: cutlass.Constexpr = False):
-        """Wait for K block ``k``'s stage and issue its 4 WGMMAs into ``tmp`` (fresh unless
-        ``accumulate``); not waited for."""
+    def _next(self, idx, ph):
+        """The pipeline position after (idx, ph): no division in the K loop."""
+        nxt = idx + 1
+        wrap = Int32(nxt == self.stages)
+        return nxt - wrap * self.stages, ph ^ wrap
+
+    def _state(self, idx, ph):
+        return pipeline.PipelineState(self.stages, idx, idx, ph)
+
+    @cute.jit
+    def issue(self, tmp, tCrA, tCrB, ab_pipe, idx, ph, accumulate: cutlass.Constexpr = False):
+        """Wait for the K block at pipeline position (idx, ph) and issue its 4 WGMMAs into ``tmp``
+        (fresh unless ``accumulate``); not waited for."""
         # A local MMA object: its ACCUMULATE field is staged state that must not leak out of
         # the branch this is called from.
         tiled_mma = self.make_tiled_mma()
-        state = self._state(k)
+        state = self._state(idx, ph)
         ab_pipe.consumer_wait(state)
         warpgroup.fence()
         tiled_mma.set(warpgroup.Field.ACCUMULATE, accumulate)
@@ -344,31 +360,32 @@ class GroupedGemmFp8Sm90:
         warpgroup.commit_group()
 
     @cute.jit
-    def issue_scaled(self, buf, tCrA, tCrB, ab_pipe, scales, k):
-        """``issue`` into the buffer's accumulator, then, while the WGMMAs run, its scales into
-        registers (and the scale stage freed at once)."""
-        tmp, scl = buf
-        tCcC, sSA, sSB, scale_pipe = scales
-        self.issue(tmp, tCrA, tCrB, ab_pipe, k)
-        state = self._state(k)
+    def issue_scaled(self, buf, tCrA, tCrB, ab_pipe, scales, idx, ph):
+        """``issue`` into the buffer's accumulator, then, while the WGMMAs run, the block's scale of
+        each of the thread's rows into registers (and the scale stage freed at once)."""
+        tmp, scl, _ = buf
+        (row0, row_offsets, _), sSA, sSB, scale_pipe = scales
+        self.issue(tmp, tCrA, tCrB, ab_pipe, idx, ph)
+        state = self._state(idx, ph)
         scale_pipe.consumer_wait(state)
-        b_scale = sSB[0, state.index]
-        for i in cutlass.range_constexpr(cute.size(scl)):
-            scl[i] = sSA[tCcC[i][0], state.index] * b_scale
+        b_scale = sSB[0, idx]
+        for j in cutlass.range_constexpr(len(row_offsets)):
+            scl[j] = sSA[row0 + row_offsets[j], idx] * b_scale
         scale_pipe.consumer_release(state)
 
     @cute.jit
-    def promote(self, acc, buf, ab_pipe, k):
-        """acc += tmp * scale for K block ``k`` (its WGMMAs already waited for); frees its A/B stage."""
-        tmp, scl = buf
-        ab_pipe.consumer_release(self._state(k))
+    def promote(self, acc, buf, ab_pipe, idx, ph):
+        """acc += tmp * scale for the K block at (idx, ph) (its WGMMAs already waited for); frees its
+        A/B stage."""
+        tmp, scl, which_row = buf
+        ab_pipe.consumer_release(self._state(idx, ph))
         for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] + tmp[i] * scl[i]
+            acc[i] = acc[i] + tmp[i] * scl[which_row[i]]
 
     @cute.jit
-    def release(self, ab_pipe, scale_pipe, k):
-        """Free K block ``k``'s stage in both pipelines without reading its scales."""
-        state = self._state(k)
+    def release(self, ab_pipe, scale_pipe, idx, ph):
+        """Free the K block's stage in both pipelines without reading its scales."""
+        state = self._state(idx, ph)
         ab_pipe.consumer_release(state)
         scale_pipe.consumer_wait(state)
         scale_pipe.consumer_release(state)
