@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.kernels.finalize import finalize_cuda  # noqa: E402
 from cute_moe.kernels.moe_reduce import moe_reduce_cuda  # noqa: E402
 from cute_moe.reference import align_ref, finalize_ref, moe_reduce_ref  # noqa: E402
-from timing import Timer  # noqa: E402
+from cute_moe.timing import Timer  # noqa: E402
 
 H, K, E = 7168, 8, 256
 TOKENS = (1, 128, 4096, 16384)

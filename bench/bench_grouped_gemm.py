@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.reference import align_ref  # noqa: E402
-from timing import Timer  # noqa: E402
+from cute_moe.timing import Timer  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn

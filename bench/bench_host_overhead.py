@@ -16,7 +16,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from timing import host_us_per_call  # noqa: E402
+from cute_moe.timing import host_us_per_call  # noqa: E402
 
 import cute_moe  # noqa: E402,F401  (registers torch.ops.cute_moe)
 

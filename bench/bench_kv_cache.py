@@ -23,7 +23,7 @@ import cute_moe  # noqa: E402
 from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda  # noqa: E402
 from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
-from timing import Timer  # noqa: E402
+from cute_moe.timing import Timer  # noqa: E402
 
 CONFIGS = {  # name: heads, head_dim, with_v
     "llama (H_kv=8, D=128, K+V)": (8, 128, True),

@@ -486,7 +486,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_moe.py needs a CUDA GPU (torch.cuda.is_available() is False)")
 
-    from timing import Timer  # noqa: PLC0415
+    from cute_moe.timing import Timer  # noqa: PLC0415
 
     t0 = time.monotonic()
     timer = Timer()

@@ -20,7 +20,7 @@ import cute_moe  # noqa: E402
 from cute_moe.compiler import arch_of_device  # noqa: E402
 from cute_moe.kernels.quant_fp8 import compile_quant_fp8, quant_fp8_cuda  # noqa: E402
 from cute_moe.reference import quant_fp8_ref  # noqa: E402
-from timing import Timer, host_us_per_call  # noqa: E402
+from cute_moe.timing import Timer, host_us_per_call  # noqa: E402
 
 H = 7168
 TOKENS = (1, 128, 4096, 16384)

@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cute_moe  # noqa: E402,F401  (registers torch.ops.cute_moe)
 from cute_moe.reference import align_ref, route_ref  # noqa: E402
-from timing import Timer  # noqa: E402
+from cute_moe.timing import Timer  # noqa: E402
 
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 MODELS = {

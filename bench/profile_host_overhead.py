@@ -37,7 +37,7 @@ def main() -> None:
 
 def breakdown() -> None:
     """Un-profiled wall times of the pieces of one eager quant_fp8 call (T=1, H=7168)."""
-    from timing import host_us_per_call  # noqa: PLC0415
+    from cute_moe.timing import host_us_per_call  # noqa: PLC0415
 
     from cute_moe import validation as V  # noqa: PLC0415
     from cute_moe.compiler import arch_of_device  # noqa: PLC0415

@@ -7,11 +7,20 @@ step with the fp32 reference on the same inputs, and prints a table: op, the
 implementation that ran, the error, the check, the time.  A step whose CUDA
 kernel does not exist yet is reported as such and continued with the reference;
 it is never counted as checked.  Finally the whole layer is compared with a
-dense fp32 computation written independently of the op layer.  Exits 1 if any
-check fails.
+dense fp32 computation written independently of the op layer.
+
+On a GPU it then runs the DeepSeek-V3 layer at full size (E=256, H=7168, I=2048,
+k=8, groups 8/4, scaling 2.5; random FP8 codes and 128x128 block scales, 11.3 GB)
+at T = 1, 128 and 4096 tokens: each is checked against an f32 reference of the
+same layer (relative L2 <= 1e-2, one check per T) and timed (device time of one
+CUDA-graph replay, L2 flushed, median), with TFLOPS and the GB/s of the touched
+experts' weights, beside a plain-PyTorch layer (torch routing, argsort
+permutation, bf16 ``torch._grouped_mm`` on dequantized weights) in the same run.
+Exits 1 if any check fails.
 """
 from __future__ import annotations
 
+import functools
 import sys
 import time
 
@@ -86,6 +95,241 @@ def _dense_layer(x, logits, bias, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
     return out
 
 
+# ----------------------------------------------------------------------------- full-size DeepSeek-V3 (GPU only)
+
+FULL_E, FULL_H, FULL_I, FULL_K, FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING = 256, 7168, 2048, 8, 8, 4, 2.5
+FULL_TOKENS = (1, 128, 4096)
+FULL_TOL = 1e-2  # rel L2 of the layer against the f32 reference on the same FP8 weights and activation quantization
+_BLOCK = 128
+_CODE_STD = 100.0  # random e4m3 codes ~ N(0, 100) clamped to +-448: a 128x128 block's max |code| is ~448
+_TIMED_REPS = 50
+
+
+def _random_fp8_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 codes [E, N, K], f32 128x128 block scales [E, N/128, K/128]) drawn on the GPU.
+
+    The codes span the e4m3 range as an amax/448-scaled checkpoint's do; the scales put the
+    dequantized weights at std ~K^-0.5, spread by 10**U(-0.3, 0.3) per block. Built directly:
+    quantizing 11 GB of bf16 weights would take far longer.
+    """
+    codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
+    flat = codes.view(-1)
+    step = 1 << 28
+    for i in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - i)
+        flat[i : i + n].copy_(torch.randn(n, generator=g, device="cuda").mul_(_CODE_STD).clamp_(-448.0, 448.0))
+    spread = torch.pow(10.0, torch.empty(E, N // _BLOCK, K // _BLOCK, device="cuda").uniform_(-0.3, 0.3, generator=g))
+    return codes, spread * (K**-0.5 / _CODE_STD)
+
+
+def _dequant_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """f32 [N, K] from one expert's codes [N, K] and 128x128 scales [N/128, K/128]."""
+    N, K = q.shape
+    return q.float().view(N // _BLOCK, _BLOCK, K // _BLOCK, _BLOCK).mul_(s[:, None, :, None]).view(N, K)
+
+
+def _quant_dequant_rows(v: torch.Tensor) -> torch.Tensor:
+    """f32 [rows, K]: v through the 1x128 activation quantizer (reference.quant_fp8_ref) and back."""
+    q, s = R.quant_fp8_ref(v)
+    rows, K = v.shape
+    return q.float().view(rows, K // _BLOCK, _BLOCK).mul_(s[:, :, None]).view(rows, K)
+
+
+def _reference_layer(x, ids, weights, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
+    """bf16 [T, H]: the math of reference.fused_moe_routed_ref (activations quantized 1x128 as
+    permute_quant / silu_mul_quant do, GEMM outputs rounded to bf16, SwiGLU and the weighted sum in
+    f32), computed per touched expert with IEEE f32 matmuls on the GPU: only the touched experts'
+    weights are dequantized, one expert at a time (the exact 128-wide block sums of
+    grouped_gemm_fp8_ref differ by f32 rounding only, and would take minutes at this size)."""
+    T, H = x.shape
+    k, inter = ids.shape[1], w2.shape[2]
+    xd = _quant_dequant_rows(x)
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
+    prec = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        start = 0
+        for e, n in enumerate(counts):
+            sel = order[start : start + n]
+            start += n
+            if n == 0:
+                continue
+            h = (xd[sel // k] @ _dequant_weight(w13[e], w13_scale[e]).t()).to(torch.bfloat16).float()
+            a2 = _quant_dequant_rows(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:])
+            y[sel] = (a2 @ _dequant_weight(w2[e], w2_scale[e]).t()).to(torch.bfloat16).float()
+    finally:
+        torch.set_float32_matmul_precision(prec)
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    y = y.view(T, k, H)
+    for j in range(k):
+        out = out + weights[:, j, None] * y[:, j]
+    return out.to(torch.bfloat16)
+
+
+def _torch_route(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing in plain PyTorch (HF's noaux_tc with torch.topk): (ids int64, weights f32)."""
+    T = logits.shape[0]
+    s = logits.float().sigmoid()
+    c = s + bias
+    group_scores = c.view(T, FULL_N_GROUP, -1).topk(2, dim=-1)[0].sum(-1)
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(FULL_TOPK_GROUP, dim=-1)[1], 1.0)
+    keep = keep.bool().repeat_interleave(FULL_E // FULL_N_GROUP, dim=1)
+    ids = c.masked_fill(~keep, float("-inf")).topk(FULL_K, dim=-1)[1]
+    w = s.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * FULL_SCALING
+
+
+def _torch_grouped_mm_layer(x, logits, bias, b13, b2) -> torch.Tensor:
+    """The plain-PyTorch layer, bf16: torch routing, argsort permutation of the T*k slots,
+    torch._grouped_mm on bf16 dequantized weights, SwiGLU in f32, weighted sum in f32. Static
+    shapes, no host sync (CUDA-graph capturable)."""
+    T, H = x.shape
+    ids, w = _torch_route(logits, bias)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(FULL_E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = counts.cumsum(0).to(torch.int32)
+    h = torch._grouped_mm(x[order // FULL_K], b13.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+    act = (torch.nn.functional.silu(h[:, :FULL_I].float()) * h[:, FULL_I:].float()).to(torch.bfloat16)
+    y = torch._grouped_mm(act, b2.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)
+    y = torch.empty_like(y).index_copy_(0, order, y).view(T, FULL_K, H)  # back to slot order t*k + j
+    return (y.float() * w[..., None]).sum(1).to(torch.bfloat16)
+
+
+def _torch_loop_layer(x, logits, bias, b13, b2) -> torch.Tensor:
+    """Fallback plain-PyTorch layer where torch._grouped_mm is missing: a per-expert loop (host sync)."""
+    ids, w = _torch_route(logits, bias)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = x[tok] @ b13[e].t()
+        act = (torch.nn.functional.silu(h[:, :FULL_I].float()) * h[:, FULL_I:].float()).to(torch.bfloat16)
+        out.index_add_(0, tok, (act @ b2[e].t()).float() * w[tok, slot, None])
+    return out.to(torch.bfloat16)
+
+
+_BASELINES = (  # (layer, name, description): the first, or the second where torch._grouped_mm is missing or fails
+    (_torch_grouped_mm_layer, "torch bf16 _grouped_mm",
+     "torch.topk routing, argsort permutation of the T*k slots, two torch._grouped_mm in bf16 on dequantized "
+     "weights, SwiGLU and the weighted sum in f32"),
+    (_torch_loop_layer, "torch bf16 expert loop",
+     "torch.topk routing, a loop over the touched experts (gather, two bf16 matmuls on dequantized weights, "
+     "SwiGLU in f32, weighted index_add in f32; host sync, so timed eagerly)"),
+)  # fmt: skip
+
+
+def _exc_note(exc: BaseException) -> str:
+    first = str(exc).splitlines()[0][:120] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"
+
+
+def _full_size_deepseek_v3() -> tuple[int, int]:
+    """The DeepSeek-V3 layer at full size on the GPU: checked against the reference and timed
+    beside a plain-PyTorch layer at T in FULL_TOKENS. Prints a table; returns (checks, failures)."""
+    from .timing import Timer  # noqa: PLC0415 (CUDA only)
+
+    E, H, I, k = FULL_E, FULL_H, FULL_I, FULL_K
+    expert_bytes = 3 * H * I + 4 * (2 * I // _BLOCK * H // _BLOCK + H // _BLOCK * I // _BLOCK)  # codes + scales
+    fp8_bytes, bf16_bytes = E * expert_bytes, E * 3 * H * I * 2
+    print(f"\nDeepSeek-V3 MoE layer at full size: E={E} H={H} I={I} k={k} groups {FULL_N_GROUP}/{FULL_TOPK_GROUP} "
+          f"scaling {FULL_SCALING}, random FP8 weights and 128x128 block scales ({fp8_bytes / 1e9:.1f} GB)")
+    free, _ = torch.cuda.mem_get_info()
+    headroom = 8 << 30  # T=4096: the layer's intermediates (~2.2 GB), the reference's (~1.5 GB), the timer
+    if free < fp8_bytes + headroom:
+        print(f"skipped: needs {(fp8_bytes + headroom) / 1e9:.0f} GB of free GPU memory, {free / 1e9:.0f} GB free")
+        return 0, 0
+    g = torch.Generator(device="cuda").manual_seed(2024)
+    w13, w13_scale = _random_fp8_experts(E, 2 * I, H, g)
+    w2, w2_scale = _random_fp8_experts(E, H, I, g)
+    bias = 0.1 * torch.randn(E, generator=g, device="cuda")
+    skew = torch.randn(E, generator=g, device="cuda")  # per-expert logit offset: uneven expert loads
+    timer = Timer()
+    copy_gbs = timer.copy_bandwidth_gbs()
+
+    # The plain-PyTorch peer runs on bf16 copies of every expert's dequantized weights.
+    baseline, baseline_name, baseline_desc, b13, b2 = None, "torch (plain PyTorch)", "", None, None
+    if torch.cuda.mem_get_info()[0] < bf16_bytes + headroom:
+        baseline_note = f"skipped: bf16 weights need {bf16_bytes / 1e9:.0f} GB more GPU memory"
+    else:
+        baseline_note = ""
+        b13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
+        b2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
+        for e in range(E):
+            b13[e] = _dequant_weight(w13[e], w13_scale[e])
+            b2[e] = _dequant_weight(w2[e], w2_scale[e])
+        baseline, baseline_name, baseline_desc = _BASELINES[0 if hasattr(torch, "_grouped_mm") else 1]
+
+    def layer(x, logits):
+        return torch.ops.cute_moe.fused_moe(x, logits, w13, w13_scale, w2, w2_scale, k, "deepseek_v3", bias,
+                                            FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING)  # fmt: skip
+
+    header = ("T", "experts", "implementation", "µs", "TFLOPS", "w GB/s", "% copy", "rel L2 vs ref", "check")
+    rows, checked, failures = [], 0, 0
+    for T in FULL_TOKENS:
+        gx = torch.Generator(device="cuda").manual_seed(T)
+        x = torch.randn(T, H, generator=gx, device="cuda").to(torch.bfloat16)
+        logits = torch.randn(T, E, generator=gx, device="cuda") + skew
+        ids, weights = R.route_ref(logits, k, "deepseek_v3", bias, FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING)
+        touched = int(torch.unique(ids).numel())
+        flops = 2 * T * k * (2 * I * H + H * I)
+
+        def perf(us: float, w_bytes: int) -> tuple[str, str, str, str]:
+            gbs = w_bytes / us / 1e3
+            return f"{us:.1f}", f"{flops / us / 1e6:.1f}", f"{gbs:.0f}", f"{100 * gbs / copy_gbs:.1f}"
+
+        checked += 1
+        ref = None
+        try:
+            out = layer(x, logits)
+            ref = _reference_layer(x, ids, weights, w13, w13_scale, w2, w2_scale)
+            rel = _rel_l2(out.float(), ref.float())
+            ok = rel <= FULL_TOL and bool(torch.isfinite(out.float()).all())
+            timing = perf(timer.graph_us(lambda: layer(x, logits), _TIMED_REPS), touched * expert_bytes)
+            rows.append((T, touched, "cute_moe.fused_moe", *timing, f"{rel:.2e}",
+                         f"{'PASS' if ok else 'FAIL'} (rel L2 <= {FULL_TOL:g})"))  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 (report, count as failed, go on)
+            ok = False
+            rows.append((T, touched, "cute_moe.fused_moe", "-", "-", "-", "-", "-", f"FAIL ({_exc_note(exc)})"))
+        failures += not ok
+
+        if baseline is None:
+            rows.append((T, touched, baseline_name, "-", "-", "-", "-", "-", baseline_note))
+            continue
+        while True:
+            try:
+                base_out = baseline(x, logits, bias, b13, b2)
+                base_rel = f"{_rel_l2(base_out.float(), ref.float()):.2e}" if ref is not None else "-"
+                fn = functools.partial(baseline, x, logits, bias, b13, b2)
+                # the expert loop syncs with the host: never captured
+                us, how = timer.time_us(fn, _TIMED_REPS) if baseline is _torch_grouped_mm_layer else (
+                    timer.kernel_us(fn, _TIMED_REPS), "eager")
+                note = "not checked (bf16 activations: ~4% from the FP8 layer)"
+                note += ("" if how == "graph" else "; eager, events") + baseline_note
+                rows.append((T, touched, baseline_name, *perf(us, touched * 3 * H * I * 2), base_rel, note))
+            except Exception as exc:  # noqa: BLE001 (a failing peer never stops the demo)
+                if baseline is _BASELINES[0][0]:  # torch._grouped_mm refused: the expert loop instead
+                    baseline_note = f"; torch._grouped_mm failed: {_exc_note(exc)}"
+                    baseline, baseline_name, baseline_desc = _BASELINES[1]
+                    continue
+                rows.append((T, touched, baseline_name, "-", "-", "-", "-", "-", f"failed: {_exc_note(exc)}"))
+            break
+        torch.cuda.empty_cache()
+
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(f"µs: device time of one CUDA-graph replay, L2 flushed, median of {_TIMED_REPS}. "
+          f"TFLOPS = 2*T*k*(2I*H + H*I) / time. w GB/s = weights of the touched experts (FP8 codes + scales; "
+          f"bf16 for the torch peer) / time; % copy: of the device-to-device copy bandwidth measured in this run "
+          f"({copy_gbs:.0f} GB/s, read + write).")
+    if baseline is not None:
+        print(f"{baseline_name}: {baseline_desc}")
+    return checked, failures
+
+
 def main() -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     ops = torch.ops.cute_moe
@@ -99,7 +343,8 @@ def main() -> int:
     def step(name, op_call, ref_call, tol_rel: float, exact: bool, valid_rows=None):
         nonlocal failures
         ref = ref_call()
-        if device.type == "cuda" and name not in KERNEL_MODULES:
+        op_name = name.split(" ")[0]  # "grouped_gemm_fp8 (w2)" runs op grouped_gemm_fp8
+        if device.type == "cuda" and op_name not in KERNEL_MODULES:
             rows.append((name, "no CUDA kernel yet", "-", "-", "not checked", "-"))
             return ref
         impl = "CuTe DSL kernel" if device.type == "cuda" else "CPU (reference impl.)"
@@ -160,8 +405,16 @@ def main() -> int:
     for r in [header] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
     checked = sum(1 for r in rows if r[4].startswith(("PASS", "FAIL")))
+    if device.type == "cuda":
+        try:
+            full_checked, full_failures = _full_size_deepseek_v3()
+        except Exception as exc:  # noqa: BLE001 (e.g. out of memory building the weights): one failed check
+            print(f"full-size DeepSeek-V3 layer: FAIL ({_exc_note(exc)})")
+            full_checked, full_failures = 1, 1
+        checked, failures = checked + full_checked, failures + full_failures
+    missing = sum(1 for r in rows if r[4] == "not checked")
     print(f"\n{checked - failures} of {checked} checks passed"
-          + (f"; {sum(1 for r in rows if r[4] == 'not checked')} steps have no CUDA kernel yet" if device.type == "cuda" else ""))
+          + (f"; {missing} steps have no CUDA kernel yet" if missing else ""))
     return 1 if failures else 0
 
 

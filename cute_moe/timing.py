@@ -1,4 +1,5 @@
-"""GPU timing shared by the benchmarks: events, L2 flushed, median of many runs."""
+"""GPU timing for ``python -m cute_moe`` and the benchmarks in ``bench/``: CUDA events, L2 flushed,
+median of many runs.  Needs CUDA; never imported on the CPU path."""
 from __future__ import annotations
 
 import statistics
@@ -44,6 +45,14 @@ class Timer:
         with torch.cuda.graph(graph):
             fn()
         return self.kernel_us(graph.replay, reps)
+
+    def time_us(self, fn, reps: int = 100) -> tuple[float, str]:
+        """(µs, "graph") when fn can be captured in a CUDA graph, else (µs of eager runs, "eager")."""
+        try:
+            return self.graph_us(fn, reps), "graph"
+        except Exception:  # noqa: BLE001 (capture refused, e.g. a host sync inside fn)
+            torch.cuda.synchronize()
+            return self.kernel_us(fn, reps), "eager"
 
     def graph_amortized_us(self, fn, calls: int = 100, reps: int = 20) -> float:
         """Per-call device time of ``calls`` back-to-back fn() in one CUDA graph (no flush between).

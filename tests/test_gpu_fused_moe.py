@@ -1,0 +1,514 @@
+"""fused_moe end to end on the GPU: every step on its CuTe DSL kernel (route, align with
+alignment 128, permute_quant, grouped_gemm_fp8, silu_mul_quant, grouped_gemm_fp8, finalize),
+against an f32 reference of the same layer.
+
+Models, all at full size (routed experts only):
+
+* DeepSeek-V3     E=256, H=7168, I=2048,  top-8, ``deepseek_v3`` routing (groups 8/4, score_bias, x2.5), f32 logits
+* Qwen3-30B-A3B   E=128, H=2048, I=768,   top-8, ``renormalize`` (norm_topk_prob), bf16 logits
+* Mixtral-8x7B    E=8,   H=4096, I=14336, top-2, ``renormalize`` (softmax over the top-k logits = HF Mixtral's
+                  softmax, top-k, divide by the sum), bf16 logits
+* Llama-4-Scout   E=16,  H=5120, I=8192,  top-1, ``llama4`` (sigmoid of the top logit), bf16 logits
+
+for T in {0, 1, 5, 256, 4096} tokens (no case skipped: the reference of the largest, DeepSeek-V3
+at T=4096, is ~3e12 f32 FLOPs, well under a second on an H200).
+
+Weights are random FP8 e4m3 codes spanning the whole e4m3 range (N(0, 100) clamped to +-448, as
+amax/448 block scaling leaves a checkpoint) with random 128x128 f32 block scales
+(K^-0.5 / 100 * 10**U(-0.3, 0.3)), built directly on the GPU (DeepSeek-V3: 11.3 GB of codes;
+quantizing bf16 weights would take longer than the test). Hidden states are random with per-row
+magnitudes over one decade and outlier columns; logits carry a per-expert offset, so expert
+loads are ragged and small T leaves most experts empty.
+
+Reference (``reference_moe``): the math of ``reference.fused_moe_routed_ref`` on
+``reference.route_ref``'s top-k -- activations quantized to e4m3 with 1x128 f32 scales by
+``reference.quant_fp8_ref`` as ``permute_quant`` / ``silu_mul_quant`` do, GEMM outputs rounded
+to bf16 as the kernel writes them, SwiGLU in f32, the weighted sum in f32 in slot order, one
+bf16 rounding -- computed per touched expert (only those experts' weights are dequantized, one
+at a time) with IEEE f32 matmuls on the GPU instead of the exact per-128-block sums of
+``grouped_gemm_fp8_ref`` (f32 rounding in the GEMMs, which after the bf16 and e4m3 roundings leaves
+the two layers a few 1e-4 apart; ``test_reference_moe_matches_the_cute_moe_reference`` checks it).
+
+Acceptance: the output comes from a NaN-poisoned allocator (``moe_cases.poison_pools``, sized to
+hold every intermediate of the layer, after ``empty_cache`` so nothing unpoisoned is cached);
+no non-finite value; relative L2 error <= 1e-2 over all tokens; every token within 5e-2 of its
+own norm (a single misrouted or misplaced token cannot hide in a T=4096 total; typical per-token
+errors are a few 1e-3).
+
+Also: expert parallelism (two shards' outputs sum to the unsharded layer within bf16 rounding;
+each shard against the reference; ``fused_moe_routed`` with the op's own top-k bit-identical to
+``fused_moe``), gate_first=False with ue8m0 activation scales, a CUDA graph captured once at
+T = 1, 8, 64 and replayed on new inputs copied into its input buffers (bit-identical to eager),
+``torch.compile(fullgraph=True, dynamic=True)`` of a module around ``cute_moe.FusedMoE`` (one
+graph for three T, bit-identical to eager), and ``FusedMoE.from_bf16`` on the GPU.
+
+Run time: expected 1-1.5 minutes on an H200 (an estimate, not yet measured: weight generation
+~2 s, ~20 kernel variants compiled once per process at ~1 s each, inductor ~10-20 s, each T=4096
+reference well under a second). Peak GPU memory ~20 GB (the four models' weights, 15 GB, stay
+cached for the module and are freed at its end).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+from torch import nn
+
+import cute_moe
+from cute_moe import FusedMoE
+from cute_moe import reference as R
+
+from .moe_cases import poison_pools
+
+pytestmark = [
+    pytest.mark.gpu,
+    # inductor still calls torch.jit.script_method
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+BLOCK = 128
+FP8 = torch.float8_e4m3fn
+ALIGNMENT = 128  # fused_moe's row alignment (the grouped GEMM's tile M)
+REL_L2 = 1e-2
+TOKEN_REL_L2 = 5e-2
+CODE_STD = 100.0  # std of the random e4m3 codes: the max |code| of a 128x128 block is ~4.2 std ~ 448
+TOKENS = (0, 1, 5, 256, 4096)
+DEVICE = "cuda"  # a module constant: the helpers can be tried on the CPU by hand
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    E: int
+    H: int
+    I: int
+    top_k: int
+    routing: str
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+    has_bias: bool = False
+    logits_dtype: torch.dtype = torch.bfloat16
+
+
+MODELS = {
+    "deepseek_v3": Model("DeepSeek-V3", 256, 7168, 2048, 8, "deepseek_v3", 8, 4, 2.5, True, torch.float32),
+    "qwen3_30b_a3b": Model("Qwen3-30B-A3B", 128, 2048, 768, 8, "renormalize"),
+    "mixtral_8x7b": Model("Mixtral-8x7B", 8, 4096, 14336, 2, "renormalize"),
+    "llama4_scout": Model("Llama-4-Scout", 16, 5120, 8192, 1, "llama4"),
+}
+
+
+# ----------------------------------------------------------------------------- weights and inputs
+
+
+def random_fp8_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes e4m3 [E, N, K], block scales f32 [E, N/128, K/128]) drawn directly on the GPU.
+
+    Codes ~ N(0, CODE_STD) clamped to +-448 (the whole e4m3 range, as amax/448 block scaling
+    leaves a checkpoint), generated in chunks of 2**28 (1 GB of f32); scales put the dequantized
+    weights at std ~K^-0.5 with a per-block spread of 10**U(-0.3, 0.3), so a wrong block scale shows.
+    """
+    assert N % BLOCK == 0 and K % BLOCK == 0
+    codes = torch.empty(E, N, K, dtype=FP8, device=DEVICE)
+    flat = codes.view(-1)
+    step = 1 << 28
+    for i in range(0, flat.numel(), step):
+        n = min(step, flat.numel() - i)
+        flat[i : i + n].copy_(torch.randn(n, generator=g, device=DEVICE).mul_(CODE_STD).clamp_(-448.0, 448.0))
+    spread = torch.pow(10.0, torch.empty(E, N // BLOCK, K // BLOCK, device=DEVICE).uniform_(-0.3, 0.3, generator=g))
+    return codes, spread * (K**-0.5 / CODE_STD)
+
+
+@dataclass
+class Weights:
+    w13: torch.Tensor  # e4m3 [E, 2I, H], gate rows first
+    s13: torch.Tensor  # f32 [E, 2I/128, H/128]
+    w2: torch.Tensor  # e4m3 [E, H, I]
+    s2: torch.Tensor  # f32 [E, H/128, I/128]
+    bias: Optional[torch.Tensor]  # f32 [E] (deepseek_v3)
+    skew: torch.Tensor  # f32 [E]: per-expert logit offset, so expert loads are uneven
+
+
+_WEIGHTS: dict[str, Weights] = {}
+
+
+def weights(key: str) -> Weights:
+    """The model's random FP8 weights, built once per module (DeepSeek-V3: ~1 s, 11.3 GB)."""
+    if key not in _WEIGHTS:
+        m = MODELS[key]
+        g = torch.Generator(device=DEVICE).manual_seed(sum(map(ord, key)))
+        w13, s13 = random_fp8_experts(m.E, 2 * m.I, m.H, g)
+        w2, s2 = random_fp8_experts(m.E, m.H, m.I, g)
+        bias = 0.1 * torch.randn(m.E, generator=g, device=DEVICE) if m.has_bias else None
+        skew = torch.randn(m.E, generator=g, device=DEVICE)
+        _WEIGHTS[key] = Weights(w13, s13, w2, s2, bias, skew)
+    return _WEIGHTS[key]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_weights():
+    yield
+    _WEIGHTS.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_inputs(m: Model, w: Weights, T: int, seed: int, same_experts: bool = False):
+    """(x bf16 [T, H], router_logits [T, E] in the model's logits dtype), fresh random.
+
+    ``same_experts``: every token has the same logits (one hot set of k experts).
+    """
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    x = torch.randn(T, m.H, generator=g, device=DEVICE)
+    x *= torch.pow(10.0, torch.empty(T, 1, device=DEVICE).uniform_(-0.5, 0.5, generator=g))
+    x[:, ::97] *= 8.0  # outlier channels: groups whose scale one element sets
+    rows = 1 if (same_experts and T > 0) else T
+    logits = torch.randn(rows, m.E, generator=g, device=DEVICE).expand(T, m.E) + w.skew
+    return x.to(torch.bfloat16), logits.to(m.logits_dtype).contiguous()
+
+
+def run_layer(m: Model, w: Weights, x, logits, *, experts: slice = slice(None), expert_offset: int = 0, **kw):
+    """cute_moe.fused_moe over the experts ``experts`` of ``w`` (a view, no copy)."""
+    return cute_moe.fused_moe(
+        x, logits, w.w13[experts], w.s13[experts], w.w2[experts], w.s2[experts], m.top_k, m.routing,
+        score_bias=w.bias, n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.scaling,
+        expert_offset=expert_offset, num_experts=m.E, **kw,
+    )  # fmt: skip
+
+
+def route_ref(m: Model, w: Weights, logits):
+    return R.route_ref(logits, m.top_k, m.routing, w.bias, m.n_group, m.topk_group, m.scaling)
+
+
+# ----------------------------------------------------------------------------- the reference
+
+
+@contextlib.contextmanager
+def ieee_f32_matmul():
+    """f32 matmuls in full f32 (no TF32), whatever the session set."""
+    prev = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(prev)
+
+
+def dequant_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """f32 [N, K] from one expert's e4m3 codes [N, K] and 128x128 scales [N/128, K/128]."""
+    N, K = q.shape
+    return q.float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK).mul_(s[:, None, :, None]).view(N, K)
+
+
+def quant_dequant_rows(v: torch.Tensor, scale_fmt: Optional[str]) -> torch.Tensor:
+    """f32 [rows, K]: ``v`` through the 1x128 activation quantizer (``reference.quant_fp8_ref``) and back."""
+    q, s = R.quant_fp8_ref(v, BLOCK, scale_fmt)
+    rows, K = v.shape
+    return q.float().view(rows, K // BLOCK, BLOCK).mul_(s[:, :, None]).view(rows, K)
+
+
+def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset: int = 0,
+                  gate_first: bool = True, act_scale_fmt: Optional[str] = None) -> torch.Tensor:  # fmt: skip
+    """bf16 [T, H]: the layer of ``reference.fused_moe_routed_ref`` (see the module docstring), per
+    touched local expert, dequantizing only those experts' weights, one expert at a time."""
+    T, H = x.shape
+    k = topk_ids.shape[1]
+    e_local, inter = w13.shape[0], w13.shape[1] // 2
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out.to(torch.bfloat16)
+    xd = quant_dequant_rows(x, act_scale_fmt)
+    local = topk_ids.reshape(-1).long() - expert_offset
+    key = torch.where((local >= 0) & (local < e_local), local, e_local)  # e_local = not local
+    order = torch.argsort(key, stable=True)  # slots t*k + j grouped by local expert
+    counts = torch.zeros(e_local + 1, dtype=torch.long, device=x.device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key)).tolist()
+    y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)  # GEMM2 output per slot (0: not local)
+    start = 0
+    with ieee_f32_matmul():
+        for e in range(e_local):
+            sel = order[start : start + counts[e]]
+            start += counts[e]
+            if sel.numel() == 0:
+                continue
+            h = (xd[sel // k] @ dequant_weight(w13[e], s13[e]).t()).to(torch.bfloat16).float()
+            first, second = h[:, :inter], h[:, inter:]
+            gate, up = (first, second) if gate_first else (second, first)
+            a2 = quant_dequant_rows(F.silu(gate) * up, act_scale_fmt)
+            y[sel] = (a2 @ dequant_weight(w2[e], s2[e]).t()).to(torch.bfloat16).float()
+    y = y.view(T, k, H)
+    for j in range(k):  # f32, in slot order, as finalize
+        out = out + topk_weights[:, j, None].float() * y[:, j]
+    return out.to(torch.bfloat16)
+
+
+def layer_reference(m: Model, w: Weights, x, logits, *, experts: slice = slice(None), expert_offset: int = 0,
+                    **kw) -> torch.Tensor:  # fmt: skip
+    ids, wts = route_ref(m, w, logits)
+    return reference_moe(x, ids, wts, w.w13[experts], w.s13[experts], w.w2[experts], w.s2[experts],
+                         expert_offset=expert_offset, **kw)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def poison_for_layer(T: int, k: int, e_local: int, H: int, I: int) -> None:
+    """Empty the allocator's cache, then poison enough of it to hold every intermediate and the output."""
+    M = R.m_cap(T, k, e_local, ALIGNMENT)
+    nbytes = (
+        M * (H + 4 * (H // BLOCK))  # a, a_scale
+        + M * 2 * I * 2  # h
+        + M * (I + 4 * (I // BLOCK))  # a2, a2_scale
+        + M * H * 2  # y
+        + T * H * 2  # out
+        + M * 4 + T * k * 16 + 4 * (e_local + 1) * 2  # index maps, top-k
+    )
+    torch.cuda.empty_cache()
+    poison_pools(max(256 << 20, int(nbytes * 1.25) + (64 << 20)))
+
+
+def check_layer(out: torch.Tensor, ref: torch.Tensor, what: str, diag: Callable[[], str] = lambda: "") -> None:
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16, (what, out.shape, out.dtype)
+    if ref.numel() == 0:
+        return
+    o, r = out.float(), ref.float()
+    bad = int((~torch.isfinite(o)).sum())
+    assert bad == 0, f"{what}: {bad} non-finite outputs (unwritten, or poisoned memory read){diag()}"
+    diff_t, ref_t = (o - r).norm(dim=1), r.norm(dim=1)
+    rel = (diff_t.square().sum() / ref_t.square().sum().clamp_min(1e-30)).sqrt().item()
+    assert rel <= REL_L2, f"{what}: relative L2 error {rel:.3e} > {REL_L2}{diag()}"
+    worse = diff_t > TOKEN_REL_L2 * ref_t
+    n_worse = int(worse.sum())
+    assert n_worse == 0, (
+        f"{what}: {n_worse} of {o.shape[0]} tokens off by more than {TOKEN_REL_L2} of their norm "
+        f"(first: token {int(worse.nonzero()[0])}); total rel L2 {rel:.3e}{diag()}"
+    )
+
+
+def route_diag(m: Model, w: Weights, logits) -> Callable[[], str]:
+    """On failure: how many tokens the route kernel sends to other experts than route_ref does."""
+
+    def diag() -> str:
+        ids, _ = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,
+                                topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
+        want, _ = route_ref(m, w, logits)
+        differ = int((ids.sort(dim=1).values != want.sort(dim=1).values).any(dim=1).sum())
+        return f" [route kernel vs route_ref: {differ} of {logits.shape[0]} tokens pick other experts]"
+
+    return diag
+
+
+# ----------------------------------------------------------------------------- the reference itself
+
+
+def test_reference_moe_matches_the_cute_moe_reference():
+    """reference_moe (f32 matmuls, per touched expert) vs reference.fused_moe_routed_ref (exact
+    128-wide block sums) on a small layer, whole and as an expert-parallel shard."""
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    E, H, I, k, T = 8, 256, 384, 2, 37
+    w13, s13 = random_fp8_experts(E, 2 * I, H, g)
+    w2, s2 = random_fp8_experts(E, H, I, g)
+    x = (torch.randn(T, H, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
+    ids, wts = R.route_ref(torch.randn(T, E, generator=g, device=DEVICE), k, "renormalize")
+    for sl, off in ((slice(None), 0), (slice(3, 7), 3)):
+        for fmt, gate_first in ((None, True), ("ue8m0", False)):
+            want = R.fused_moe_routed_ref(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], off, gate_first, fmt)
+            got = reference_moe(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], expert_offset=off,
+                                gate_first=gate_first, act_scale_fmt=fmt)  # fmt: skip
+            rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+            assert rel <= 2e-3, (off, fmt, rel)
+
+
+# ----------------------------------------------------------------------------- the layer vs the reference
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe_matches_reference(model: str, T: int):
+    m, w = MODELS[model], weights(model)
+    x, logits = make_inputs(m, w, T, seed=1000 * T + sum(map(ord, model)))
+    ref = layer_reference(m, w, x, logits)
+    poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+    out = run_layer(m, w, x, logits)
+    assert out.shape == (T, m.H) and out.dtype == torch.bfloat16
+    check_layer(out, ref, f"{m.name} T={T}", route_diag(m, w, logits))
+
+
+def test_fused_moe_gate_second_and_ue8m0_scales():
+    """gate_first=False (FlashInfer's half order: the same codes read as up rows first) with
+    power-of-two activation scales, against the reference with the same options."""
+    m, w = MODELS["qwen3_30b_a3b"], weights("qwen3_30b_a3b")
+    x, logits = make_inputs(m, w, 256, seed=77)
+    opts = dict(gate_first=False, act_scale_fmt="ue8m0")
+    ref = layer_reference(m, w, x, logits, **opts)
+    poison_for_layer(256, m.top_k, m.E, m.H, m.I)
+    check_layer(run_layer(m, w, x, logits, **opts), ref, "gate_first=False, ue8m0", route_diag(m, w, logits))
+
+
+# ----------------------------------------------------------------------------- expert parallelism
+
+
+# model -> two shards (expert_offset, local experts) covering [0, E)
+EP_SHARDS = {
+    "deepseek_v3": ((0, 128), (128, 128)),
+    "qwen3_30b_a3b": ((0, 48), (48, 80)),  # uneven
+}
+
+
+@pytest.mark.parametrize("model", list(EP_SHARDS))
+def test_expert_parallel_shards_sum_to_the_unsharded_layer(model: str):
+    """Each shard sees the global logits and computes only its experts' slots; the two outputs
+    summed equal the unsharded output within bf16 rounding: every GEMM row is the same on both
+    (same rows, same 128-row tiles), only the f32 sum over the k slots is split and each part
+    rounded to bf16, so |s0 + s1 - full| <= 2^-8 (|s0| + |s1| + |full|) (unit roundoff of bf16)."""
+    m, w = MODELS[model], weights(model)
+    T = 256
+    x, logits = make_inputs(m, w, T, seed=4242 + len(model))
+    ref = layer_reference(m, w, x, logits)
+    poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+    full = run_layer(m, w, x, logits)
+    check_layer(full, ref, f"{m.name} unsharded", route_diag(m, w, logits))
+    parts = []
+    for off, n in EP_SHARDS[model]:
+        sl = slice(off, off + n)
+        ref = layer_reference(m, w, x, logits, experts=sl, expert_offset=off)
+        poison_for_layer(T, m.top_k, n, m.H, m.I)
+        part = run_layer(m, w, x, logits, experts=sl, expert_offset=off)
+        check_layer(part, ref, f"{m.name} shard [{off}, {off + n})", route_diag(m, w, logits))
+        parts.append(part.float())
+        # the same shard from a precomputed top-k: bit-identical
+        ids, wts = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,
+                                  topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
+        routed = cute_moe.fused_moe_routed(x, ids, wts, w.w13[sl], w.s13[sl], w.w2[sl], w.s2[sl], expert_offset=off)
+        assert torch.equal(routed, part), f"fused_moe_routed differs from fused_moe on shard [{off}, {off + n})"
+    s0, s1 = parts
+    f = full.float()
+    bound = 2.0**-8 * (s0.abs() + s1.abs() + f.abs()) * 1.001 + 1e-4 * f.abs().amax(dim=1, keepdim=True)
+    over = (s0 + s1 - f).abs() > bound
+    assert int(over.sum()) == 0, (
+        f"{int(over.sum())} of {over.numel()} elements: shard sum differs from the unsharded layer by more than "
+        f"bf16 rounding (max abs diff {(s0 + s1 - f).abs().max().item():.3e})"
+    )
+
+
+def test_fused_moe_routed_equals_fused_moe():
+    """The op's own top-k through fused_moe_routed (and FusedMoE.forward_routed): bit-identical."""
+    m, w = MODELS["deepseek_v3"], weights("deepseek_v3")
+    x, logits = make_inputs(m, w, 256, seed=99)
+    want = run_layer(m, w, x, logits)
+    ids, wts = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,
+                              topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
+    assert ids.dtype == torch.int32 and wts.dtype == torch.float32
+    poison_for_layer(256, m.top_k, m.E, m.H, m.I)
+    got = cute_moe.fused_moe_routed(x, ids, wts, w.w13, w.s13, w.w2, w.s2)
+    assert torch.equal(got, want)
+    layer = FusedMoE.from_fp8(w.w13, w.s13, w.w2, w.s2, top_k=m.top_k, num_experts=m.E, routing_method=m.routing,
+                              n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.scaling,
+                              score_bias=w.bias)  # fmt: skip
+    assert torch.equal(layer(x, logits), want)
+    assert torch.equal(layer.forward_routed(x, ids, wts), want)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+@pytest.mark.parametrize("T", [1, 8, 64])
+def test_cuda_graph_capture_once_replay_new_inputs(T: int):
+    """DeepSeek-V3 at decode sizes: capture fused_moe once, then replay on new hidden states and
+    logits copied into the captured input buffers (new routings, the last one sending every token
+    to the same 8 experts); each replay bit-identical to an eager call and within the reference."""
+    m, w = MODELS["deepseek_v3"], weights("deepseek_v3")
+    x_buf, logits_buf = make_inputs(m, w, T, seed=500 + T)
+    eager0 = run_layer(m, w, x_buf, logits_buf)  # compiles and loads every kernel before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run_layer(m, w, x_buf, logits_buf)
+    graph.replay()
+    assert torch.equal(out, eager0), "replay on the capture's own inputs differs from eager"
+    for i, same in enumerate((False, False, True)):
+        x, logits = make_inputs(m, w, T, seed=600 + 10 * T + i, same_experts=same)
+        x_buf.copy_(x)
+        logits_buf.copy_(logits)
+        out.fill_(float("nan"))
+        graph.replay()
+        eager = run_layer(m, w, x, logits)
+        check_layer(eager, layer_reference(m, w, x, logits), f"eager T={T} replay {i}", route_diag(m, w, logits))
+        assert torch.equal(out, eager), f"replay {i} (T={T}) differs from eager"
+    del graph
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+class _Block(nn.Module):
+    """A model block that hands router logits to a cute_moe.FusedMoE."""
+
+    def __init__(self, moe: FusedMoE) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        return self.moe(x, router_logits)
+
+
+@pytest.fixture
+def compile_counter():
+    """A fresh dynamo state that fails on any recompile, plus a counter of compiled frames."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield counter
+    torch._dynamo.reset()
+
+
+def test_torch_compile_fullgraph_dynamic(compile_counter):
+    m, w = MODELS["qwen3_30b_a3b"], weights("qwen3_30b_a3b")
+    moe = FusedMoE.from_fp8(w.w13, w.s13, w.w2, w.s2, top_k=m.top_k, num_experts=m.E, routing_method=m.routing)
+    block = _Block(moe)
+    compiled = torch.compile(block, backend=compile_counter, fullgraph=True, dynamic=True)
+    frames = None
+    for i, T in enumerate((3, 17, 64)):
+        x, logits = make_inputs(m, w, T, seed=700 + i)
+        got = compiled(x, logits)
+        frames = frames or compile_counter.frame_count
+        assert compile_counter.frame_count == frames, f"recompiled for T={T}"
+        want = block(x, logits)
+        assert got.shape == (T, m.H) and got.dtype == torch.bfloat16
+        assert torch.equal(got, want), f"compiled differs from eager at T={T}"
+        check_layer(got, layer_reference(m, w, x, logits), f"compiled T={T}", route_diag(m, w, logits))
+    graphs = [g for g in compile_counter.graphs if "cute_moe" in g.code]
+    assert len(graphs) == 1, [g.code for g in compile_counter.graphs]
+
+
+# ----------------------------------------------------------------------------- FusedMoE.from_bf16
+
+
+def test_from_bf16_on_gpu_matches_reference():
+    """Qwen3-30B-A3B from bf16 weights on the GPU: the buffers are reference.quant_block_128x128_ref's
+    codes and scales bit for bit, and the layer matches the reference on them."""
+    m = MODELS["qwen3_30b_a3b"]
+    g = torch.Generator(device=DEVICE).manual_seed(31)
+    w13 = (torch.randn(m.E, 2 * m.I, m.H, generator=g, device=DEVICE) * m.H**-0.5).to(torch.bfloat16)
+    w2 = (torch.randn(m.E, m.H, m.I, generator=g, device=DEVICE) * m.I**-0.5).to(torch.bfloat16)
+    layer = FusedMoE.from_bf16(w13, w2, top_k=m.top_k, routing_method=m.routing)
+    assert layer.w13.device.type == DEVICE and layer.w13.dtype == FP8
+    for name, (q, s) in (("w13", R.quant_block_128x128_ref(w13)), ("w2", R.quant_block_128x128_ref(w2))):
+        assert torch.equal(getattr(layer, name).view(torch.uint8), q.view(torch.uint8)), name
+        assert torch.equal(getattr(layer, name + "_scale"), s), name + "_scale"
+    del w13, w2
+    T = 256
+    gi = torch.Generator(device=DEVICE).manual_seed(32)
+    x = torch.randn(T, m.H, generator=gi, device=DEVICE).to(torch.bfloat16)
+    logits = torch.randn(T, m.E, generator=gi, device=DEVICE).to(torch.bfloat16)
+    ids, wts = R.route_ref(logits, m.top_k, m.routing)
+    ref = reference_moe(x, ids, wts, layer.w13, layer.w13_scale, layer.w2, layer.w2_scale)
+    poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+    check_layer(layer(x, logits), ref, "from_bf16")
