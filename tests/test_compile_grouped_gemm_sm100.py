@@ -9,10 +9,14 @@ The compile runs in a fresh process with ``CUTE_DSL_ARCH=sm_100a`` (the DSL fixe
 default target at import) through the module's ``inspect_variants``; the cubin is analysed
 with ``cute_moe.cubin``.  Checked in the SASS:
 
-* ``UTCQMMA`` (tcgen05 FP8 MMA), 4 per K block (128 = 4 x 32), and ``UTCBAR`` (commit);
-* ``UTMALDG`` for A (2D) and B (3D), ``UTMASTG`` for C, ``LDGSTS`` (cp.async) for the
-  scales, ``LDTM`` (TMEM loads) feeding 64 FFMA per thread per K block: the promotion
-  runs on CUDA cores in f32;
+* ``UTCQMMA`` (tcgen05 FP8 MMA), 4 per K block (128 = 4 x 32), and ``UTCBAR`` (commit):
+  ``UTCBAR.MULTICAST`` releasing an A/B stage in both CTAs of the cluster, a plain one
+  publishing the CTA's own TMEM buffer;
+* ``UTMALDG`` for A (2D, ``.MULTICAST``: clusters of 2 CTAs along N share the A tile) and B
+  (3D, per CTA), ``UTMASTG`` for C, ``LDGSTS`` (cp.async) for the scales, ``LDTM`` (TMEM
+  loads) feeding 64 FFMA per thread per K block: the promotion runs on CUDA cores in f32;
+* the cluster barrier (``UCGABAR_ARV`` / ``UCGABAR_WAIT``) that makes both CTAs' mbarrier
+  inits visible before either multicasts into the other;
 * no local memory (``LDL`` / ``STL``), no Hopper or legacy MMA;
 * registers that fit 352 threads on one SM, shared memory within the 227 KB a CTA can
   opt into, and the kernel's TMEM allocation within the SM's 512 columns.
@@ -68,6 +72,20 @@ def test_tcgen05_mma_and_tma(kernel):
     assert not {"QGMMA", "HGMMA", "HMMA", "IMMA"} & set(counts), "a non-tcgen05 MMA path crept in"
 
 
+def test_a_multicast_in_a_cluster(kernel):
+    """Clusters of 2 CTAs along N: A by one multicast TMA load per CTA (its half, into both CTAs),
+    B by a plain per-CTA load; each MMA warp releases a stage in both CTAs (multicast commit) and
+    publishes its TMEM buffer locally; barrier inits are fenced by the cluster barrier."""
+    assert gg.CLUSTER_N == 2
+    ops = kernel["opcodes"]
+    assert ops.count("UTMALDG.2D.MULTICAST") == 1 and _count(ops, "UTMALDG.2D") == 1, "A must be multicast"
+    assert ops.count("UTMALDG.3D") == 1, "B is per CTA (the M tiles of a cluster would not share an expert)"
+    assert ops.count("UTCBAR.MULTICAST") == 1, "the A/B stage release must reach both CTAs' empty barriers"
+    assert ops.count("UTCBAR") == 1, "the TMEM buffer is published by a local commit"
+    assert ops.count("UCGABAR_ARV") >= 1 and ops.count("UCGABAR_WAIT") >= 1, (
+        "barrier inits must be visible cluster-wide before any multicast")  # fmt: skip
+
+
 def test_scales_and_promotion(kernel):
     counts, ops = kernel["sass_counts"], kernel["opcodes"]
     assert _count(ops, "LDGSTS.E.LTC128B.128") >= 1, "the 128 A scales come in 16 bytes per lane by cp.async"
@@ -93,6 +111,20 @@ def test_tmem_allocation():
     cols = gg.TMEM_COLUMNS
     assert cols == gg.ACC_STAGES * gg.TILE_N
     assert 32 <= cols <= TMEM_CAPACITY and cols & (cols - 1) == 0
+
+
+def test_launch_uses_the_cluster_schedule(monkeypatch):
+    """The host launches through the shared schedule with cluster_n = CLUSTER_N (an even grid of
+    tile-group visits, the sm_90a kernel's schedule)."""
+    seen = {}
+
+    def fake_launch(arch, compiled, cluster_n, *args):
+        seen.update(arch=arch, cluster_n=cluster_n, nargs=len(args))
+        return "c"
+
+    monkeypatch.setattr(gg, "launch", fake_launch)
+    assert gg.grouped_gemm_fp8_sm100_cuda(1, 2, 3, 4, 5) == "c"
+    assert seen == {"arch": "sm_100a", "cluster_n": gg.CLUSTER_N, "nargs": 5}
 
 
 def test_other_archs_have_no_variant():

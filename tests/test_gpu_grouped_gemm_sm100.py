@@ -11,6 +11,13 @@ empty experts, one hot expert, decode routings, M_cap = 65536 (more tiles than C
 the persistent loop), one compiled function for two routings, and CUDA-graph replay
 with routings rewritten in place.
 
+The kernel runs clusters of 2 CTAs along N sharing the A tile by TMA multicast: an odd
+number of 128-column N tiles (N = 2112: 17; N = 128: 1, so every visit of rank 1 is
+multicast-only; N = 320: 3 with a partial third) makes the second CTA of the last tile
+group feed its partner's A without storing anything; a hang in these tests points at
+the cluster synchronization, wrong values in the columns of odd N tiles at the A
+multicast.
+
 On a GPU that is not a Blackwell, only the refusal is checked: the launcher raises
 ``NotImplementedError`` instead of launching.
 """
@@ -66,6 +73,11 @@ CASES = {
     "dsv3_w13_E256_decode": (256, 4096, 7168, lambda s: routing_from_counts(decode_counts(256, random.Random(s)))),
     "dsv3_w13_E256_T1": (256, 4096, 7168, lambda s: routing_from_topk(1, 8, 256, s)),
     "E256_N2112_K7168_T128": (256, 2112, 7168, lambda s: routing_from_topk(128, 8, 256, s)),
+    # cluster edge cases: one N tile (rank 1 only multicasts), three with a partial last one,
+    # and one K block (fewer K blocks than A/B stages: producer_tail on never-used stages)
+    "E4_N128_K1536_one_n_tile": (
+        4, 128, 1536, lambda s: routing_from_counts(deepgemm_counts(4, 300, random.Random(s)))),
+    "E8_N320_K128_three_n_tiles": (8, 320, 128, lambda s: routing_from_counts(empty_counts(8, 300, random.Random(s)))),
 }  # fmt: skip
 
 

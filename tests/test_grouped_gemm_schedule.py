@@ -1,7 +1,7 @@
 """The grouped GEMMs' persistent tile schedule on the CPU.
 
 ``grouped_gemm_schedule.tile_schedule`` is the executable model of the arithmetic both kernels
-run (sm_90a with clusters of 2 CTAs along N sharing A by multicast, sm_100a with single CTAs):
+run (both with clusters of 2 CTAs along N sharing the A tile by TMA multicast):
 for routings drawn like the GPU tests' (ragged, empty experts, one hot expert, decode sizes, no
 rows), the launched grid visits every output tile below ``expert_offsets[-1]`` exactly once,
 inside its expert's segment, in increasing order per CTA, and a cluster's CTAs visit tiles in
