@@ -6,7 +6,8 @@ the measured copy bandwidth; a table, a JSON file and a PNG.
 Implementations (each row of the table):
 
 * ``cute_moe``        ``cute_moe.kernels.grouped_gemm_sm90.grouped_gemm_fp8_cuda`` (1x128 A scales,
-                      128x128 B scales); left out with ``--no-kernel`` (runs before the kernel exists).
+                      128x128 B scales), given align's expert counts on the decode shapes as fused_moe
+                      does; left out with ``--no-kernel``.
 * ``cute_moe_unscaled`` (``--no-promotion``) the same kernel, tiles and pipeline with the block scales
                       dropped (one accumulator, no promotion): what the promotion costs, measured.
 * ``cublas_block``    ``torch._scaled_mm`` with blockwise 1x128 / 128x128 f32 scales (cuBLAS), a *dense*
@@ -111,6 +112,7 @@ class Problem:
     a_scale: torch.Tensor  # f32 [M_cap, K/128], strides (1, M_cap)
     b: torch.Tensor  # fp8 [E, N, K]
     b_scale: torch.Tensor  # f32 [E, ceil(N/128), K/128]
+    expert_counts: torch.Tensor | None  # int32 [E], decode routings (align's counts), as fused_moe passes them
 
     @property
     def end(self) -> int:
@@ -130,16 +132,18 @@ def make_problem(s: Shape) -> Problem:
         ids = torch.rand(s.tokens, s.E, device="cuda").argsort(dim=1)[:, :DSV3_TOPK].to(torch.int32)
         offsets, row_to_token, _, counts_t = align_ref(ids, s.E, BLOCK)
         counts, m_cap = counts_t.tolist(), row_to_token.shape[0]
+        expert_counts = counts_t.to(torch.int32)
     else:
         counts = [s.rows_per_group] * s.E
         offsets = torch.tensor([0] + [s.rows_per_group * (e + 1) for e in range(s.E)], dtype=torch.int32, device="cuda")
         m_cap = s.rows_per_group * s.E
+        expert_counts = None
     kb = s.K // BLOCK
     a = _rand_fp8(m_cap, s.K)
     a_scale = _rand_scales(kb, m_cap, scale=1e-2).t()  # MN-major, as permute_quant writes it
     b = _rand_fp8(s.E, s.N, s.K)
     b_scale = _rand_scales(s.E, _cdiv(s.N, BLOCK), kb, scale=1e-4)
-    return Problem(s, offsets, counts, m_cap, a, a_scale, b, b_scale)
+    return Problem(s, offsets, counts, m_cap, a, a_scale, b, b_scale, expert_counts)
 
 
 # ----------------------------------------------------------------------------- probes (never raise)
@@ -281,7 +285,7 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
 
     if "cute_moe" in impls:
         fn = impls["cute_moe"]
-        args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets)
+        args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
         note = f"spot-check rel L2 {_spot_check(fn(*args), p):.1e}"
         us, how = _time(timer, lambda: fn(*args), reps)
         row("cute_moe", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, note)

@@ -5,10 +5,16 @@ composition (cute_moe.reference on CUDA tensors).
 
     python bench/bench_small_kernels.py [--json PATH]
 
+permute_quant is timed both ways: ``permute_quant[rows]`` (row_to_token only: the
+row-major kernel, one gather and quantization per routed row) and
+``permute_quant[tokens]`` (token_to_row given too: the token-major kernel, each
+token row read and quantized once), as fused_moe calls it.
+
 Bytes counted minimally: permute_quant reads x once (T·H·2) and writes the
-routed rows' codes and scales; silu_mul_quant reads the routed rows of h
-(2I bf16) and writes their codes and scales; finalize and moe_reduce are in
-bench_finalize.py.
+routed rows' codes and scales (both ways; the padding rows both kernels zero are
+not counted: about 10% more bytes at T=16384, most of them below); silu_mul_quant
+reads the routed rows of h (2I bf16) and writes their codes and scales; finalize
+and moe_reduce are in bench_finalize.py.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cute_moe  # noqa: E402
 from cute_moe.reference import align_ref, permute_quant_ref, silu_mul_quant_ref  # noqa: E402
-from timing import Timer  # noqa: E402
+from cute_moe.timing import Timer  # noqa: E402
 
 H, E, K, INTER = 7168, 256, 8, 2048
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
@@ -30,8 +36,8 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 
 def _routing(t: int):
     ids = torch.rand(t, E, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
-    offsets, row_to_token, _, counts = align_ref(ids, E, 128)
-    return offsets, row_to_token, int(counts.sum())
+    offsets, row_to_token, token_to_row, counts = align_ref(ids, E, 128)
+    return offsets, row_to_token, token_to_row, int(counts.sum())
 
 
 def main() -> None:
@@ -42,13 +48,18 @@ def main() -> None:
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []
     for t in TOKENS:
-        offsets, row_to_token, routed = _routing(t)
+        offsets, row_to_token, token_to_row, routed = _routing(t)
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         h = torch.randn(row_to_token.shape[0], 2 * INTER, device="cuda", dtype=torch.bfloat16)
+        pq_bytes = t * H * 2 + routed * (H + H // 128 * 4)
         cases = {
-            "permute_quant": (t * H * 2 + routed * (H + H // 128 * 4),
-                              lambda: cute_moe.permute_quant(x, row_to_token, offsets),
-                              lambda: permute_quant_ref(x, row_to_token, offsets)),
+            "permute_quant[rows]": (pq_bytes,
+                                    lambda: cute_moe.permute_quant(x, row_to_token, offsets),
+                                    lambda: permute_quant_ref(x, row_to_token, offsets)),
+            "permute_quant[tokens]": (pq_bytes,
+                                      lambda: cute_moe.permute_quant(x, row_to_token, offsets,
+                                                                     token_to_row=token_to_row),
+                                      lambda: permute_quant_ref(x, row_to_token, offsets)),
             "silu_mul_quant": (routed * (2 * INTER * 2 + INTER + INTER // 128 * 4),
                                lambda: cute_moe.silu_mul_quant(h, offsets),
                                lambda: silu_mul_quant_ref(h, offsets)),
@@ -59,9 +70,9 @@ def main() -> None:
             rows.append({"op": name, "T": t, "us": us, "gbs": nbytes / us / 1e3,
                          "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us})
     print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
-    print(f"{'op':>15} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
+    print(f"{'op':>22} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
     for r in rows:
-        print(f"{r['op']:>15} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
+        print(f"{r['op']:>22} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -147,7 +147,12 @@ def align(
 
 @_api
 def permute_quant(
-    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, *, scale_fmt: Optional[str] = None
+    x: Tensor,
+    row_to_token: Tensor,
+    expert_offsets: Tensor,
+    *,
+    scale_fmt: Optional[str] = None,
+    token_to_row: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Gather token rows into expert order and quantize them to FP8 (1x128 groups).
 
@@ -156,12 +161,16 @@ def permute_quant(
         row_to_token: ``[M_cap]`` int32 from :func:`align`.
         expert_offsets: ``[E_local+1]`` int32 from :func:`align`.
         scale_fmt: ``None`` or ``"ue8m0"``.
+        token_to_row: optional ``[T, k]`` int32/int64 from :func:`align`, the inverse of
+            ``row_to_token`` (``-1`` = expert not local). It does not change the result; given it,
+            the CUDA kernel reads and quantizes each token row once and stores it to its ``k``
+            rows (without it, each routed row is gathered and quantized on its own).
 
     Returns:
         ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
         Padding rows inside a segment are zero codes; rows ``>= expert_offsets[-1]`` are unspecified.
     """
-    return _ops.permute_quant(x, row_to_token, expert_offsets, scale_fmt)
+    return _ops.permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
 
 
 @_api
@@ -180,7 +189,15 @@ def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offse
 
 
 @_api
-def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
+def grouped_gemm_fp8(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    expert_offsets: Tensor,
+    *,
+    expert_counts: Optional[Tensor] = None,
+) -> Tensor:
     """Grouped FP8 GEMM with DeepSeek-V3 block scales: ``C[rows of e] = A @ B[e]^T``.
 
     Args:
@@ -189,11 +206,14 @@ def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, exp
         b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
         b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks).
         expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])``.
+        expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
+            output); the rest of the segment is padding, and the kernel may skip it.
 
     Returns:
-        ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified.
+        ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified, and
+        with ``expert_counts`` padding rows unspecified too.
     """
-    return _ops.grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
+    return _ops.grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 
 @_api

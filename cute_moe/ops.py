@@ -267,21 +267,30 @@ def _align_fake(
 
 @_custom_op(f"{_NS}::permute_quant", mutates_args=(), device_types="cpu")
 def permute_quant(
-    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+    x: Tensor,
+    row_to_token: Tensor,
+    expert_offsets: Tensor,
+    scale_fmt: Optional[str] = None,
+    token_to_row: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt)
-    a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt)
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     return a.contiguous(), _as_scales(s, True)
 
 
 @permute_quant.register_kernel("cuda")
 def _permute_quant_cuda(
-    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+    x: Tensor,
+    row_to_token: Tensor,
+    expert_offsets: Tensor,
+    scale_fmt: Optional[str] = None,
+    token_to_row: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt)
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     from cute_moe.kernels.permute_quant import permute_quant_cuda
 
-    return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt)
+    # With token_to_row: the token-major kernel (x read once); without: the row-major one.
+    return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
 
 
 def _permuted_fake(like: Tensor, row_to_token: Tensor) -> tuple[Tensor, Tensor]:
@@ -322,17 +331,31 @@ def _permute_fake(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, *_: An
 
 
 @_custom_op(f"{_NS}::grouped_gemm_fp8", mutates_args=(), device_types="cpu")
-def grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
-    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
-    return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets).contiguous()
+def grouped_gemm_fp8(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+) -> Tensor:
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets, expert_counts).contiguous()
 
 
 @grouped_gemm_fp8.register_kernel("cuda")
-def _grouped_gemm_fp8_cuda(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> Tensor:
-    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets)
+def _grouped_gemm_fp8_cuda(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+) -> Tensor:
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
     from cute_moe.kernels.grouped_gemm import grouped_gemm_fp8_cuda
 
-    return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets)
+    return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 
 @grouped_gemm_fp8.register_fake
@@ -433,11 +456,13 @@ def _moe_from_topk(
 ) -> Tensor:
     ops = torch.ops.cute_moe
     e_local = w13.shape[0]
-    offsets, row_to_token, token_to_row, _ = ops.align(topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local)
-    a, a_scale = ops.permute_quant(x, row_to_token, offsets, act_scale_fmt)
-    h = ops.grouped_gemm_fp8(a, a_scale, w13, w13_scale, offsets)
+    offsets, row_to_token, token_to_row, counts = ops.align(
+        topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
+    )
+    a, a_scale = ops.permute_quant(x, row_to_token, offsets, act_scale_fmt, token_to_row)
+    h = ops.grouped_gemm_fp8(a, a_scale, w13, w13_scale, offsets, counts)
     a2, a2_scale = ops.silu_mul_quant(h, offsets, gate_first, act_scale_fmt)
-    y = ops.grouped_gemm_fp8(a2, a2_scale, w2, w2_scale, offsets)
+    y = ops.grouped_gemm_fp8(a2, a2_scale, w2, w2_scale, offsets, counts)
     return ops.finalize(y, topk_weights, token_to_row)
 
 

@@ -260,8 +260,13 @@ def align_ref(
     return _align_impl(topk_ids, E_local, alignment, expert_offset)
 
 
-def permute_quant_ref(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None):
-    """Gather rows by expert and quantize: (a fp8 [M_cap, H], a_scale f32 [M_cap, H/128] MN-major)."""
+def permute_quant_ref(
+    x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None, token_to_row=None
+):
+    """Gather rows by expert and quantize: (a fp8 [M_cap, H], a_scale f32 [M_cap, H/128] MN-major).
+
+    ``token_to_row`` (the inverse map, which the CUDA op uses to read each token once) is accepted
+    and ignored: the result is defined by ``row_to_token`` alone."""
     _check_scale_fmt(scale_fmt)
     tok, valid = _row_mask(row_to_token, expert_offsets)
     T = x.shape[0]
@@ -287,15 +292,22 @@ def grouped_gemm_fp8_ref(
     b: torch.Tensor,
     b_scale: torch.Tensor,
     expert_offsets: torch.Tensor,
+    expert_counts: "torch.Tensor | None" = None,
 ) -> torch.Tensor:
-    """Block-scaled grouped GEMM: C[rows of e] = A . B[e]^T -> bf16 [M_cap, N] (rows past off[-1]: 0)."""
+    """Block-scaled grouped GEMM: C[rows of e] = A . B[e]^T -> bf16 [M_cap, N] (rows past off[-1]: 0).
+
+    With ``expert_counts``, rows of segment e at or past ``off[e] + counts[e]`` are padding: 0 here
+    (the kernel's output there is unspecified)."""
     M, K = a.shape
     E, N, _ = b.shape
     KB = K // BLOCK
     c = torch.zeros(M, N, dtype=torch.bfloat16, device=a.device)
     bounds = expert_offsets.tolist()  # host sync: segment bounds drive the slicing
+    counts = None if expert_counts is None else expert_counts.tolist()
     for e in range(E):
         lo, hi = bounds[e], bounds[e + 1]
+        if counts is not None:
+            hi = min(hi, lo + max(counts[e], 0))
         if hi <= lo:
             continue
         ae = a[lo:hi].float().double()

@@ -353,14 +353,23 @@ def _check_permute_maps(op: str, row_to_token: Tensor, expert_offsets: Tensor) -
 
 
 def validate_permute_quant(
-    x: Tensor, row_to_token: Tensor, expert_offsets: Tensor, scale_fmt: Optional[str] = None
+    x: Tensor,
+    row_to_token: Tensor,
+    expert_offsets: Tensor,
+    scale_fmt: Optional[str] = None,
+    token_to_row: Optional[Tensor] = None,
 ) -> None:
     op = "permute_quant"
     _tensor(op, "x", x, _HALF_ACT, 2, "[T, H]")
     check_divisible(op, "H (x.shape[1])", x.shape[1], ACT_GROUP_SIZE)
     _check_permute_maps(op, row_to_token, expert_offsets)
     check_scale_fmt(op, "scale_fmt", scale_fmt)
-    check_same_device(op, x=x, row_to_token=row_to_token, expert_offsets=expert_offsets)
+    if check_tensor(op, "token_to_row", token_to_row, optional=True):
+        _tensor(op, "token_to_row", token_to_row, (torch.int32, torch.int64), 2, "[T, k]")
+        check_shape(op, "token_to_row", token_to_row, (x.shape[0], None), "[T, k] (T = x.shape[0])")
+    check_same_device(
+        op, x=x, row_to_token=row_to_token, expert_offsets=expert_offsets, token_to_row=token_to_row
+    )
 
 
 def validate_permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> None:
@@ -407,11 +416,23 @@ def _check_gemm(
     return Eb, Nb, Kb
 
 
-def validate_grouped_gemm_fp8(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor, expert_offsets: Tensor) -> None:
+def validate_grouped_gemm_fp8(
+    a: Tensor,
+    a_scale: Tensor,
+    b: Tensor,
+    b_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+) -> None:
     op = "grouped_gemm_fp8"
     E, _, _ = _check_gemm(op, a, a_scale, b, b_scale, ("a", "a_scale", "b", "b_scale"))
     _offsets(op, "expert_offsets", expert_offsets, E, "E = b.shape[0]")
-    check_same_device(op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, expert_offsets=expert_offsets)
+    if check_tensor(op, "expert_counts", expert_counts, optional=True):
+        _tensor(op, "expert_counts", expert_counts, torch.int32, 1, "[E]")
+        check_shape(op, "expert_counts", expert_counts, (E,), "[E] (E = b.shape[0])")
+    check_same_device(
+        op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, expert_offsets=expert_offsets, expert_counts=expert_counts
+    )
 
 
 def validate_silu_mul_quant(

@@ -21,6 +21,7 @@ import pytest
 ARCHS = ("sm_90a", "sm_100a")
 MODULES = ("cute_moe.kernels.permute_quant", "cute_moe.kernels.silu_mul_quant")
 ELEMS_PER_THREAD = 4 * 8  # 4 rows x 8 elements of 16 bytes of bf16
+TOKEN_MAJOR = ((8, "none"), (8, "ue8m0"), (20, "none"))  # permute_quant's token-major variants (k, fmt)
 
 _SCRIPT = r"""
 import json, re, sys, importlib
@@ -76,24 +77,53 @@ def test_common_sass(module, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_permute_quant_sass(arch):
-    kernels = _report("cute_moe.kernels.permute_quant", arch)
-    assert [k["variant"] for k in kernels] == [
+    kernels = {k["variant"]: k for k in _report("cute_moe.kernels.permute_quant", arch)}
+    assert list(kernels) == [
         "permute_quant[bfloat16, scale_fmt=none]",
         "permute_quant[bfloat16, scale_fmt=ue8m0]",
+        *(f"permute_quant[bfloat16, token-major, k={k}, scale_fmt={f}]" for k, f in TOKEN_MAJOR),
         "permute[float8_e4m3fn]",
     ]
-    for k in kernels[:2]:
+    for fmt in ("none", "ue8m0"):
+        k = kernels[f"permute_quant[bfloat16, scale_fmt={fmt}]"]
         counts, ops = k["sass_counts"], k["opcodes"]
         assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
         assert counts.get("SHFL", 0) > 0, "amax is not a warp-shuffle reduction"
         assert counts.get("LDGSTS", 0) == 4 and counts.get("BAR", 0) >= 1
         assert _last(ops, "LDGSTS") < _first(ops, "SHFL"), "row loads interleaved with math"
         assert 0 < k["registers"] <= 48 and k["expected_smem"] > 0
-    permute = kernels[2]
+    permute = kernels["permute[float8_e4m3fn]"]
     ops = permute["opcodes"]
     assert "F2FP" not in permute["sass_counts"] and "LDGSTS" not in permute["sass_counts"]
     assert _count(ops, "LDG.E.128") == 4 and _last(ops, "LDG.E.128") < _first(ops, "STG")
     assert 0 < permute["registers"] <= 72
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(("top_k", "fmt"), TOKEN_MAJOR)
+def test_permute_quant_token_major_sass(arch, top_k, fmt):
+    """One x load per token row and group (4 per thread), each destination one shuffle and one
+    predicated 8-byte store with no branch, the scale once per destination, no shared memory."""
+    kernels = _report("cute_moe.kernels.permute_quant", arch)
+    k = next(k for k in kernels if k["variant"] == f"permute_quant[bfloat16, token-major, k={top_k}, scale_fmt={fmt}]")
+    counts, ops = k["sass_counts"], k["opcodes"]
+    rows = 4  # token rows per thread
+    assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
+    assert "LDGSTS" not in counts and "BAR" not in counts and k["expected_smem"] == 0
+    assert _count(ops, "LDG.E.128") == rows, "x is not read once per token row"
+    # Every load (x and token_to_row) is issued before the first instruction of math.
+    assert _last(ops, "LDG.E.128") < _first(ops, "SHFL")
+    assert ops.count("LDG.E") == 2 + rows * -(-top_k // 16), "expert_offsets[-1], row_to_token, token_to_row"
+    # Quantizer: 4 butterfly steps per row; one index shuffle per destination.
+    assert _count(ops, "SHFL.BFLY") == rows * 4 and _count(ops, "SHFL.IDX") == rows * top_k
+    # Codes: one predicated 8-byte store per destination; scales: one per lane-held entry, plus
+    # the zeroing CTAs' scale; zeroing CTAs: two 16-byte zero stores per padding row and lane.
+    assert _count(ops, "STG.E.64") == rows * top_k
+    assert ops.count("STG.E") == rows * -(-top_k // 16) + 1
+    assert _count(ops, "STG.E.128") == 2 and _count(ops, "VOTE") == 1
+    assert "BSSY" not in counts, "a branch region around the stores"
+    # k <= 16: at most 48 registers, 5 CTAs of 256 threads per SM (k = 20 holds twice the entries).
+    assert 0 < k["registers"] <= (48 if top_k <= 16 else 64)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

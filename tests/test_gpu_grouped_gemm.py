@@ -290,6 +290,22 @@ def test_grouped_gemm_fp8(case):
     run_checked(make_problem(E, N, K, build(seed), seed))
 
 
+@pytest.mark.parametrize("case", ["dsv3_w13_E256_T1", "dsv3_w2_E256_decode", "E8_N256_K1536_decode",
+                                  "dsv3_w13_E8_ragged", "E8_N384_K384_ragged"])  # fmt: skip
+def test_grouped_gemm_fp8_with_expert_counts(case):
+    """With align's counts a warp group whose 64 rows are all padding skips its math: real rows as
+    without counts, padding rows still zero (check_output)."""
+    E, N, K, build = CASES[case]
+    seed = sum(map(ord, case)) * 7919 + 1
+    p = make_problem(E, N, K, build(seed), seed)
+    offsets = p.routing.offsets.long()
+    real = p.routing.real.long()
+    counts = torch.stack([real[offsets[e] : offsets[e + 1]].sum() for e in range(E)]).to(torch.int32)
+    poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts)
+    check_output(c, p)
+
+
 def test_grouped_gemm_fp8_op_runs_this_kernel():
     """torch.ops.cute_moe.grouped_gemm_fp8 on the GPU is this kernel (bit-identical output)."""
     p = make_problem(8, 512, 2048, routing_from_counts(deepgemm_counts(8, 300, random.Random(5))), seed=5)

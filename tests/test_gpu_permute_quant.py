@@ -2,23 +2,33 @@
 
 The kernels' launch functions are called directly (``permute_quant_cuda``,
 ``permute_cuda``) on fresh random routings from ``align_ref`` (ragged, skewed
-with empty experts, every token on one expert, an expert-parallel shard).
-Acceptance on rows ``< expert_offsets[-1]``: codes identical on >= 99.99% (the
-kernel and the reference use the same f32 formula, so in practice 100%; the
-FP8 copy of ``permute`` exactly), scales bit-exact, nothing left unwritten
-(outputs come from a poisoned allocator).  Rows past ``expert_offsets[-1]`` are
-unspecified; a direct call on pre-poisoned outputs checks the kernels never
-touch them.
+with empty experts, every token on one expert, an expert-parallel shard whose
+``token_to_row`` holds -1 for the non-local experts).  Every ``permute_quant``
+case runs both ways: row-major (``row_to_token`` only) and token-major (given
+``token_to_row`` too).  Acceptance on rows ``< expert_offsets[-1]``: codes
+identical on >= 99.99% row-major (the kernel and the reference use the same f32
+formula, so in practice 100%) and on 100% token-major, as the FP8 copy of
+``permute``; scales bit-exact; padding rows zero codes and the scale of an
+all-zero group; nothing left unwritten (outputs come from a poisoned
+allocator).  Rows past ``expert_offsets[-1]`` are unspecified; a direct call on
+pre-poisoned outputs checks the kernels never touch them.
 """
 import pytest
 import torch
 
 from cute_moe.compiler import arch_of_device
-from cute_moe.kernels.permute_quant import compile_permute, compile_permute_quant, permute_cuda, permute_quant_cuda
-from cute_moe.reference import AMAX_FLOOR, FP8_MAX, permute_quant_ref, permute_ref, quant_fp8_ref
+from cute_moe.kernels.permute_quant import (
+    compile_permute,
+    compile_permute_quant,
+    compile_permute_quant_tokens,
+    permute_cuda,
+    permute_quant_cuda,
+)
+from cute_moe.reference import AMAX_FLOOR, FP8_MAX, align_ref, permute_quant_ref, permute_ref, quant_fp8_ref
 
 from .gpu_helpers import code_match_fraction, random_activations
 from .moe_cases import (
+    ALIGNMENT,
     ROUTINGS,
     assert_past_end_untouched,
     assert_rows_match,
@@ -26,36 +36,43 @@ from .moe_cases import (
     poisoned_outputs,
     routed_maps,
     same_bits,
+    topk_ids,
 )
 
 pytestmark = pytest.mark.gpu
 
 TOKENS = [1, 7, 128, 4096]
 HIDDEN = [2048, 7168]
+WAYS = ["row-major", "token-major"]
 
 
 def _end(offsets: torch.Tensor) -> int:
     return int(offsets[-1])
 
 
-def _check_quant(x, row_to_token, offsets, scale_fmt):
+def _maps(routing: str, num_tokens: int, seed: int):
+    """(expert_offsets, row_to_token, token_to_row) of ``moe_cases.routed_maps``' routing."""
+    num_experts, _, expert_offset, local = ROUTINGS[routing]
+    ids = topk_ids(routing, num_tokens, seed)
+    return align_ref(ids, num_experts, ALIGNMENT, expert_offset, local)[:3]
+
+
+def _launch(way: str, x, row_to_token, offsets, scale_fmt, token_to_row):
+    return permute_quant_cuda(x, row_to_token, offsets, scale_fmt, token_to_row if way == "token-major" else None)
+
+
+def _check_quant(way, x, row_to_token, offsets, scale_fmt, token_to_row):
     m_cap, hidden = row_to_token.shape[0], x.shape[1]
     poison_pools(m_cap * hidden * 2 + (64 << 20))
-    a, s = permute_quant_cuda(x, row_to_token, offsets, scale_fmt)
-    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, scale_fmt), _end(offsets))
+    a, s = _launch(way, x, row_to_token, offsets, scale_fmt, token_to_row)
+    want = permute_quant_ref(x, row_to_token, offsets, scale_fmt)
+    assert_rows_match(a, s, *want, _end(offsets), exact_codes=way == "token-major")
+    _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt)
     return a, s
 
 
-@pytest.mark.parametrize("routing", list(ROUTINGS))
-@pytest.mark.parametrize("num_tokens", TOKENS)
-@pytest.mark.parametrize("hidden", HIDDEN)
-@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-def test_permute_quant(routing, num_tokens, hidden, scale_fmt):
-    seed = 1000 * num_tokens + hidden + 7 * (scale_fmt is None) + list(ROUTINGS).index(routing)
-    offsets, row_to_token = routed_maps(routing, num_tokens, seed)
-    x = random_activations(num_tokens, hidden, torch.bfloat16, seed=seed)
-    a, s = _check_quant(x, row_to_token, offsets, scale_fmt)
-    # Padding rows inside the segments: zero codes and the scale of an all-zero group.
+def _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt):
+    """Padding rows inside the segments: zero codes and the scale of an all-zero group."""
     pad = (row_to_token[: _end(offsets)] < 0).nonzero().flatten()
     if pad.numel():
         assert int(a.view(torch.uint8)[pad].max()) == 0
@@ -66,57 +83,99 @@ def test_permute_quant(routing, num_tokens, hidden, scale_fmt):
         assert same_bits(zero_scale, want)
 
 
-def test_permute_quant_fp16_and_strided_rows():
-    offsets, row_to_token = routed_maps("ragged", 300, seed=11)
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("num_tokens", TOKENS)
+@pytest.mark.parametrize("hidden", HIDDEN)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_permute_quant(routing, num_tokens, hidden, scale_fmt, way):
+    seed = 1000 * num_tokens + hidden + 7 * (scale_fmt is None) + list(ROUTINGS).index(routing)
+    offsets, row_to_token, token_to_row = _maps(routing, num_tokens, seed)
+    x = random_activations(num_tokens, hidden, torch.bfloat16, seed=seed)
+    _check_quant(way, x, row_to_token, offsets, scale_fmt, token_to_row)
+
+
+def test_maps_match_moe_cases():
+    """_maps is routed_maps plus token_to_row: the row-major cases are the ones they always were."""
+    offsets, row_to_token, _ = _maps("skewed", 300, seed=3)
+    want_offsets, want_map = routed_maps("skewed", 300, seed=3)
+    assert torch.equal(offsets, want_offsets) and torch.equal(row_to_token, want_map)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_fp16_and_strided_rows(way):
+    offsets, row_to_token, token_to_row = _maps("ragged", 300, seed=11)
     base = random_activations(300, 4096 + 256, torch.float16, seed=11)
-    _check_quant(base[:, :4096], row_to_token, offsets, None)
+    _check_quant(way, base[:, :4096], row_to_token, offsets, None, token_to_row)
 
 
-def test_permute_quant_negative_zero_inputs():
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_h_not_a_multiple_of_1024(way):
+    """H = 13 * 128: the token-major kernel's last zeroing slab holds 5 of its 8 group columns."""
+    offsets, row_to_token, token_to_row = _maps("skewed", 200, seed=19)
+    x = random_activations(200, 13 * 128, torch.bfloat16, seed=19)
+    _check_quant(way, x, row_to_token, offsets, "ue8m0", token_to_row)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_negative_zero_inputs(way):
     """x = -0.0 quantizes to code 0x80, as the reference's true division (the shared quantizer's
     FMA residual step alone would give +0)."""
-    offsets, row_to_token = routed_maps("ragged", 64, seed=12)
+    offsets, row_to_token, token_to_row = _maps("ragged", 64, seed=12)
     x = random_activations(64, 2048, torch.bfloat16, seed=12)
     x[:, ::3] = -0.0
-    a, _ = _check_quant(x, row_to_token, offsets, None)
+    a, _ = _check_quant(way, x, row_to_token, offsets, None, token_to_row)
     rows = (row_to_token[: _end(offsets)] >= 0).nonzero().flatten()
     assert bool((a.view(torch.uint8)[rows][:, ::3] == 0x80).all())
 
 
-def test_permute_quant_rows_past_end_untouched():
-    offsets, row_to_token = routed_maps("ep_shard", 128, seed=13)
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_permute_quant_rows_past_end_untouched(way, scale_fmt):
+    offsets, row_to_token, token_to_row = _maps("ep_shard", 128, seed=13)
     x = random_activations(128, 2048, torch.bfloat16, seed=13)
     a, s = poisoned_outputs(row_to_token.shape[0], 2048)
-    compile_permute_quant(torch.bfloat16, False, arch_of_device(x.device))(x, row_to_token, offsets, a, s)
+    ue8m0, arch = scale_fmt == "ue8m0", arch_of_device(x.device)
+    if way == "token-major":
+        compile_permute_quant_tokens(torch.bfloat16, ue8m0, token_to_row.shape[1], arch)(
+            x, token_to_row, row_to_token, offsets, a, s
+        )
+    else:
+        compile_permute_quant(torch.bfloat16, ue8m0, arch)(x, row_to_token, offsets, a, s)
     a = a.view(torch.float8_e4m3fn)
-    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets), _end(offsets), exact_codes=True)
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, scale_fmt), _end(offsets), exact_codes=True)
+    _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt)
     assert_past_end_untouched(a, s, _end(offsets))
 
 
-def test_permute_quant_no_tokens():
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_no_tokens(way):
     x = torch.empty(0, 2048, dtype=torch.bfloat16, device="cuda")
-    offsets, row_to_token = routed_maps("ragged", 0, seed=14)
-    a, s = permute_quant_cuda(x, row_to_token, offsets, None)
+    offsets, row_to_token, token_to_row = _maps("ragged", 0, seed=14)
+    a, s = _launch(way, x, row_to_token, offsets, None, token_to_row)
     assert a.shape == (0, 2048) and s.shape == (0, 16)
     # Every row padding (T = 0 with a non-empty segment): still written, from zeros.
     row_to_token = torch.full((256,), -1, dtype=torch.int32, device="cuda")
     offsets = torch.tensor([0, 128, 128], dtype=torch.int32, device="cuda")
-    _check_quant(x, row_to_token, offsets, "ue8m0")
+    _check_quant(way, x, row_to_token, offsets, "ue8m0", torch.empty(0, 8, dtype=torch.int32, device="cuda"))
 
 
-def test_permute_quant_cuda_graph_new_routing():
-    """The kernel reads expert_offsets[-1] on the device: a captured graph follows new routings."""
-    offsets, row_to_token = routed_maps("skewed", 512, seed=15)
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_cuda_graph_new_routing(way):
+    """The kernels read expert_offsets[-1] (and the maps) on the device: a captured graph follows
+    new routings."""
+    offsets, row_to_token, token_to_row = _maps("skewed", 512, seed=15)
     x = random_activations(512, 7168, torch.bfloat16, seed=15)
-    permute_quant_cuda(x, row_to_token, offsets, None)  # compile before capture
+    _launch(way, x, row_to_token, offsets, None, token_to_row)  # compile before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        a, s = permute_quant_cuda(x, row_to_token, offsets, None)
+        a, s = _launch(way, x, row_to_token, offsets, None, token_to_row)
     for seed in (16, 17):
-        new_offsets, new_map = routed_maps("skewed", 512, seed=seed)
+        new_offsets, new_map, new_t2r = _maps("skewed", 512, seed=seed)
         assert new_map.shape == row_to_token.shape
         offsets.copy_(new_offsets)
         row_to_token.copy_(new_map)
+        token_to_row.copy_(new_t2r)
         x.copy_(random_activations(512, 7168, torch.bfloat16, seed=seed))
         a.view(torch.uint8).fill_(0xFF)
         s.fill_(float("nan"))
@@ -126,11 +185,54 @@ def test_permute_quant_cuda_graph_new_routing():
         assert code_match_fraction(a[:end], a_ref[:end]) == 1.0 and same_bits(s[:end], s_ref[:end])
 
 
-def test_permute_quant_rejects_misaligned_rows():
-    offsets, row_to_token = routed_maps("ragged", 8, seed=18)
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_rejects_misaligned_rows(way):
+    offsets, row_to_token, token_to_row = _maps("ragged", 8, seed=18)
     x = random_activations(8, 2048 + 8, torch.bfloat16, seed=18)[:, 4 : 4 + 2048]
     with pytest.raises(ValueError, match="x"):
-        permute_quant_cuda(x, row_to_token, offsets, None)
+        _launch(way, x, row_to_token, offsets, None, token_to_row)
+
+
+# ----------------------------------------------------------------------------- token-major only
+
+
+def _random_maps(num_tokens: int, k: int, num_experts: int, seed: int, expert_offset: int = 0, local=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    scores = torch.rand(num_tokens, num_experts, generator=g, device="cuda")
+    ids = scores.argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    return align_ref(ids, num_experts, ALIGNMENT, expert_offset, local)[:3]
+
+
+@pytest.mark.parametrize("k", [1, 2, 16, 17, 20, 32, 40])
+def test_permute_quant_token_major_top_k(k):
+    """Every k the token-major kernel compiles for (k > 16: two token_to_row entries per lane), and
+    k = 40, which goes to the row-major kernel."""
+    offsets, row_to_token, token_to_row = _random_maps(300, k, 64, seed=30 + k)
+    x = random_activations(300, 2048, torch.bfloat16, seed=30 + k)
+    _check_quant("token-major", x, row_to_token, offsets, None, token_to_row)
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_permute_quant_token_major_expert_parallel(scale_fmt):
+    """EP: local experts [24, 40) of 64; many token_to_row entries are -1, some tokens have no local
+    expert at all; through the op with an int64 token_to_row (narrowed on the host)."""
+    offsets, row_to_token, token_to_row = _random_maps(1000, 6, 64, seed=40, expert_offset=24, local=16)
+    assert bool((token_to_row == -1).all(dim=1).any()) and bool((token_to_row >= 0).any())
+    x = random_activations(1000, 7168, torch.bfloat16, seed=41)
+    poison_pools(row_to_token.shape[0] * 7168 * 2 + (64 << 20))
+    a, s = torch.ops.cute_moe.permute_quant(x, row_to_token, offsets, scale_fmt, token_to_row.long())
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, scale_fmt), _end(offsets), exact_codes=True)
+    _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt)
+
+
+def test_permute_quant_token_major_debug_range_check(monkeypatch):
+    offsets, row_to_token, token_to_row = _maps("ragged", 16, seed=50)
+    x = random_activations(16, 2048, torch.bfloat16, seed=50)
+    bad = token_to_row.clone()
+    bad[3, 1] = row_to_token.shape[0]
+    monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
+    with pytest.raises(ValueError, match="token_to_row"):
+        permute_quant_cuda(x, row_to_token, offsets, None, bad)
 
 
 # ----------------------------------------------------------------------------- permute (FP8 in)

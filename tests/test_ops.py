@@ -57,10 +57,16 @@ def align(T, k, E, **kw) -> Case:
     return lambda rnd: ("align", (rnd.topk_ids(T, k, E), E), kw)
 
 
-def permute_quant(T, scale_fmt=None) -> Case:
+def permute_quant(T, scale_fmt=None, with_t2r=None, ep=False) -> Case:
+    """with_t2r: None, or the dtype token_to_row is passed in; ep: half the experts not local."""
+
     def build(rnd):
-        _, (off, r2t, _, _) = _align(rnd, T, 2, 4)
-        return "permute_quant", (rnd.randn(T, H, scale=2.0), r2t, off), {"scale_fmt": scale_fmt}
+        kw = {"E_global": 8, "expert_offset": 2} if ep else {}
+        _, (off, r2t, t2r, _) = _align(rnd, T, 2, 4, **kw)
+        kwargs = {"scale_fmt": scale_fmt}
+        if with_t2r is not None:
+            kwargs["token_to_row"] = t2r.to(with_t2r)
+        return "permute_quant", (rnd.randn(T, H, scale=2.0), r2t, off), kwargs
 
     return build
 
@@ -74,12 +80,13 @@ def permute(T) -> Case:
     return build
 
 
-def gemm(T, N=264, E=3) -> Case:
+def gemm(T, N=264, E=3, with_counts=False) -> Case:
     def build(rnd):
-        _, (off, _, _, _) = _align(rnd, T, 2, E, E_global=E + 1, expert_offset=1)  # global expert 0 is not local
+        _, (off, _, _, counts) = _align(rnd, T, 2, E, E_global=E + 1, expert_offset=1)  # global expert 0 is not local
         M = R.m_cap(T, 2, E, 8)
         b, bs = rnd.expert_weights(E, N, H)
-        return "grouped_gemm_fp8", (_fp8(rnd, M, H), _scales(rnd, M, H // 128), b, bs, off), {}
+        kwargs = {"expert_counts": counts} if with_counts else {}
+        return "grouped_gemm_fp8", (_fp8(rnd, M, H), _scales(rnd, M, H // 128), b, bs, off), kwargs
 
     return build
 
@@ -174,11 +181,15 @@ CASES: dict[str, Case] = {
     "permute_quant": permute_quant(6),
     "permute_quant-ue8m0": permute_quant(3, "ue8m0"),
     "permute_quant-T0": permute_quant(0),
+    "permute_quant-t2r": permute_quant(6, with_t2r=I32),
+    "permute_quant-t2r-i64-ep-ue8m0": permute_quant(5, "ue8m0", with_t2r=torch.int64, ep=True),
+    "permute_quant-t2r-T0": permute_quant(0, with_t2r=I32),
     "permute": permute(6),
     "permute-T0": permute(0),
     "grouped_gemm_fp8": gemm(7),
     "grouped_gemm_fp8-N128-E1": gemm(4, N=128, E=1),
     "grouped_gemm_fp8-T0": gemm(0),
+    "grouped_gemm_fp8-counts": gemm(7, with_counts=True),
     "silu_mul_quant": silu(5),
     "silu_mul_quant-upfirst-ue8m0": silu(3, gate_first=False, scale_fmt="ue8m0"),
     "silu_mul_quant-T0": silu(0),

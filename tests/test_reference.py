@@ -424,6 +424,18 @@ def test_permute_quant_vs_naive(scale_fmt):
         assert (codes[r], scales[r]) == want, r
 
 
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_permute_quant_ignores_token_to_row(scale_fmt):
+    # token_to_row only tells a kernel where each token goes; the result is row_to_token's
+    off, r2t, t2r, _ = R.align_ref(torch.tensor([[0, 3], [5, 1], [3, 2], [7, 0]], dtype=torch.int32), 8, 4, 2, 4)
+    assert bool((t2r == -1).any())  # experts 0, 1, 7 are not local
+    x = randn(4, 256, seed=15, dtype=torch.bfloat16)
+    a, s = R.permute_quant_ref(x, r2t, off, scale_fmt)
+    for t2r_given in (t2r, t2r.long()):
+        a2, s2 = R.permute_quant_ref(x, r2t, off, scale_fmt, t2r_given)
+        assert codes_of(a2) == codes_of(a) and torch.equal(s2, s) and s2.stride() == s.stride()
+
+
 def test_permute_vs_naive():
     # codes and scales copied exactly; padding rows: codes 0, scale 1.0; input scales may be column-major
     off, r2t, _, _ = routed_layout(seed=13)

@@ -39,7 +39,7 @@ def _good(op: str) -> dict[str, Any]:
     if op == "align":
         return {"topk_ids": ids, "num_experts": 8}
     if op == "permute_quant":
-        return {"x": _r(T, H), "row_to_token": r2t, "expert_offsets": off}
+        return {"x": _r(T, H), "row_to_token": r2t, "expert_offsets": off, "token_to_row": t2r}
     if op == "permute":
         return {"a_in": _r(T, H, dtype=FP8), "a_in_scale": torch.rand(T, 2), "row_to_token": r2t, "expert_offsets": off}
     if op == "grouped_gemm_fp8":
@@ -164,6 +164,22 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"expert_offsets must have E \+ 1 >= 2 entries",
         ),
         (lambda g: {"scale_fmt": "UE8M0"}, ValueError, r"scale_fmt must be one of"),
+        (
+            lambda g: {"token_to_row": g["token_to_row"].float()},
+            TypeError,
+            r"token_to_row must be one of int32, int64, got torch\.float32",
+        ),
+        (
+            lambda g: {"token_to_row": g["token_to_row"][:3]},
+            ValueError,
+            r"token_to_row must have shape \[T, k\] \(T = x\.shape\[0\]\) = \[4, \*\], got \[3, 2\]",
+        ),
+        (
+            lambda g: {"token_to_row": g["token_to_row"].flatten()},
+            ValueError,
+            r"token_to_row must be 2-D \[T, k\]",
+        ),
+        (lambda g: {"token_to_row": [[0, 1]] * T}, TypeError, r"argument 'token_to_row'"),
     ],
     "permute": [
         (lambda g: {"a_in": g["a_in"].bfloat16()}, TypeError, r"a_in must be float8_e4m3fn, got torch\.bfloat16"),
@@ -195,6 +211,12 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"b_scale must have shape \[E, ceil\(N/128\), K/128\] = \[3, 2, 2\], got \[3, 1, 2\]",
         ),
         (lambda g: {"a_scale": g["a_scale"][1:]}, ValueError, r"a_scale must have shape \[M, K/128\]"),
+        (lambda g: {"expert_counts": torch.zeros(E, dtype=I64)}, TypeError, r"expert_counts must be int32"),
+        (
+            lambda g: {"expert_counts": torch.zeros(E + 1, dtype=I32)},
+            ValueError,
+            r"expert_counts must have shape \[E\] \(E = b\.shape\[0\]\) = \[3\]",
+        ),
         (
             lambda g: {"expert_offsets": g["expert_offsets"][:3]},
             ValueError,

@@ -12,15 +12,19 @@ import torch
 from ..compiler import arch_of_device
 
 
-def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets) -> torch.Tensor:
+def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None) -> torch.Tensor:
+    """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding; the sm_100a kernel
+    computes every row (its output on padding rows is then the padding rows' product, zero)."""
     arch = arch_of_device(a.device)
     if arch == "sm_90a":
         from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda as launch
-    elif arch == "sm_100a":
+
+        return launch(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    if arch == "sm_100a":
         from .grouped_gemm_sm100 import grouped_gemm_fp8_sm100_cuda as launch
-    else:
-        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch}")
-    return launch(a, a_scale, b, b_scale, expert_offsets)
+
+        return launch(a, a_scale, b, b_scale, expert_offsets)
+    raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch}")
 
 
 def inspect_variants(arch: str):

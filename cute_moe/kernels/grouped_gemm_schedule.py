@@ -127,9 +127,10 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets) -> torch.Tensor:
+def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets, extra=()) -> torch.Tensor:
     """The host side both kernels share: checks, the output, the grid, the call on a's device and
-    current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``."""
+    current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``; ``extra``
+    are its arguments between the output and the grid size."""
     m_cap, k = a.shape
     n = b.shape[1]
     reason = can_implement(m_cap, n, k)
@@ -144,5 +145,6 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = launch_grid(m_cap, n, num_sms(device), cluster_n)
-    compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, grid)
+    compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, *extra,
+               grid)  # fmt: skip
     return c

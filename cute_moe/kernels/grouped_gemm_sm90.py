@@ -63,10 +63,12 @@ class GroupedGemmFp8Sm90:
     num_threads = 384
     can_implement = staticmethod(can_implement)
 
-    def __init__(self, block_scaled: bool = True):
+    def __init__(self, block_scaled: bool = True, has_counts: bool = False):
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
+        # has_counts: the launch passes expert_counts (real rows per segment; the rest is padding).
+        self.has_counts = has_counts
         self.stages = STAGES
         self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4) + (
             EPI_STAGES * TILE_M * EPI_N * 2
@@ -86,7 +88,7 @@ class GroupedGemmFp8Sm90:
         return sm90_utils.make_trivial_tiled_mma(fp8, fp8, k_major, k_major, Float32, (2, 1, 1), tiler_mn=(64, TILE_N))
 
     @cute.jit
-    def __call__(self, mA, mB, mSA, mSB, mOff, mC, grid_ctas: Int32, stream):
+    def __call__(self, mA, mB, mSA, mSB, mOff, mC, mCnt, grid_ctas: Int32, stream):
         fp8 = cutlass.Float8E4M3FN
         # Codes travel as uint8 through TVM-FFI; the kernel sees e4m3.
         mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=fp8), mA.layout)  # (M_cap, K)
@@ -123,7 +125,7 @@ class GroupedGemmFp8Sm90:
 
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout,
-                    mSA, mSB, mOff).launch(  # fmt: skip
+                    mSA, mSB, mOff, mCnt).launch(  # fmt: skip
             grid=[grid_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             cluster=[CLUSTER_N, 1, 1],
@@ -132,7 +134,8 @@ class GroupedGemmFp8Sm90:
         )
 
     @cute.kernel
-    def kernel(self, tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC, sA_layout, sB_layout, sC_layout, mSA, mSB, mOff):
+    def kernel(self, tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC, sA_layout, sB_layout, sC_layout, mSA, mSB, mOff,
+               mCnt):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -191,8 +194,8 @@ class GroupedGemmFp8Sm90:
                 self.load_scales(mSA, mSB, sSA, sSB, scale_pipe, mOff, num_experts, lane, sched)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.math(tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, num_experts, lane,
-                      tidx - 128, sched)  # fmt: skip
+            self.math(tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts,
+                      lane, tidx - 128, sched)  # fmt: skip
 
     @cute.jit
     def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched):
@@ -239,7 +242,7 @@ class GroupedGemmFp8Sm90:
         scale_pipe.producer_tail(state)
 
     @cute.jit
-    def math(self, tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, num_experts, lane,
+    def math(self, tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts, lane,
              math_tidx, sched):  # fmt: skip
         """Math warp groups: per tile, the K loop, then the epilogue."""
         first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
@@ -250,8 +253,6 @@ class GroupedGemmFp8Sm90:
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp0 = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp1 = cute.make_rmem_tensor(tCcC.shape, Float32)
-        # K blocks issued / finished so far by this CTA, over all its tiles: the pipeline
-        # states derive from these counters (plain loop-carried integers).
         # Pipeline positions (stage index, phase) of the next K block to issue (r) and to finish
         # (d), carried across tiles as plain integers.
         r_idx, r_ph, d_idx, d_ph = Int32(0), Int32(0), Int32(0), Int32(0)
@@ -267,17 +268,26 @@ class GroupedGemmFp8Sm90:
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile = tile // n_groups
             n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank
-            # Read now, used by the epilogue: the offsets' latency hides behind the K loop.
             expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
+            # Read now, used by the epilogue: the offsets' latency hides behind the K loop.
             misaligned = (mOff[expert] % TILE_M) | (mOff[expert + 1] % TILE_M)
             acc.fill(0.0)
-            if cutlass.const_expr(self.block_scaled):
-                r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(acc, (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB, rows, sSA,
-                                                              sSB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph, d_idx,
-                                                              d_ph)  # fmt: skip
-            else:
+            # With expert counts, a warp group whose 64 rows are all padding only keeps the
+            # pipelines in step (decode: one real row per expert halves the tensor-core work).
+            busy = True
+            if cutlass.const_expr(self.has_counts):
+                busy = mCnt[expert] - (m_tile * TILE_M - mOff[expert]) > (math_tidx // 128) * (TILE_M // 2)
+            if cutlass.const_expr(not self.block_scaled):
                 r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx,
                                                                 r_ph, d_idx, d_ph)  # fmt: skip
+            elif busy:
+                r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(
+                    acc, (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB, rows, sSA, sSB, ab_pipe,
+                    scale_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph,
+                )  # fmt: skip
+            else:
+                r_idx, r_ph = self.idle_k_loop(ab_pipe, scale_pipe, k_tiles, r_idx, r_ph)
+                d_idx, d_ph = r_idx, r_ph
             self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, misaligned, math_tidx)
         if math_tidx // 32 == 0:
             epi[-1].producer_tail()
@@ -331,6 +341,17 @@ class GroupedGemmFp8Sm90:
         self.release(ab_pipe, scale_pipe, d_idx, d_ph)
         d_idx, d_ph = self._next(d_idx, d_ph)
         return r_idx, r_ph, d_idx, d_ph
+
+    @cute.jit
+    def idle_k_loop(self, ab_pipe, scale_pipe, k_tiles, idx, ph):
+        """A warp group with no real rows in the tile: wait for and free every stage (its arrivals
+        are part of each stage's count) without touching the data.  Returns the new position."""
+        for _k in cutlass.range(k_tiles, unroll=1):
+            state = self._state(idx, ph)
+            ab_pipe.consumer_wait(state)
+            self.release(ab_pipe, scale_pipe, idx, ph)
+            idx, ph = self._next(idx, ph)
+        return idx, ph
 
     @cute.jit
     def _next(self, idx, ph):
@@ -438,7 +459,7 @@ class GroupedGemmFp8Sm90:
 
 
 @cached_compile
-def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True):
+def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False):
     """One binary for every M_cap, N, K, expert count and routing."""
     m_cap, n, k, e, k_blocks, n_blocks = (cute.sym_int() for _ in range(6))
     mA = fake_tensor(cutlass.Uint8, (m_cap, k), (cute.sym_int64(divisibility=16), 1))
@@ -447,22 +468,30 @@ def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: 
     mSB = fake_tensor(Float32, (e, n_blocks, k_blocks), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
     mOff = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
     mC = fake_tensor(cutlass.BFloat16, (m_cap, n), (cute.sym_int64(divisibility=8), 1), align=16)
-    return compile_kernel(GroupedGemmFp8Sm90(block_scaled), mA, mB, mSA, mSB, mOff, mC, Int32(1), arch=arch, keep_cubin=keep_cubin)
+    mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
+    return compile_kernel(GroupedGemmFp8Sm90(block_scaled, has_counts), mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1),
+                          arch=arch, keep_cubin=keep_cubin)  # fmt: skip
 
 
-def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, *, block_scaled: bool = True):
+def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True):
     """Launch on a's device and current stream; inputs validated by the op layer.
-    ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored)."""
-    return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled), CLUSTER_N,
-                  a, a_scale, b, b_scale, expert_offsets)  # fmt: skip
+
+    ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
+    a warp group whose 64 rows of a tile are all past the count skips its math (their output is
+    zero).  ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored)."""
+    has_counts = expert_counts is not None
+    return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled, has_counts), CLUSTER_N,
+                  a, a_scale, b, b_scale, expert_offsets, (expert_counts if has_counts else expert_offsets,))  # fmt: skip
 
 
 def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes); the kernel exists for sm_90a only."""
     if arch != "sm_90a":
         return []
-    return [(f"grouped_gemm_fp8[sm90, persistent, 128x128x128, {STAGES} stages, 2 temporary accumulators]",
-             compile_grouped_gemm_fp8(arch, True), GroupedGemmFp8Sm90().dynamic_smem_bytes)]  # fmt: skip
+    smem = GroupedGemmFp8Sm90().dynamic_smem_bytes
+    name = f"grouped_gemm_fp8[sm90, persistent, cluster 1x2, 128x128x128, {STAGES} stages, 2 temporary accumulators"
+    return [(name + "]", compile_grouped_gemm_fp8(arch, True), smem),
+            (name + ", expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True), smem)]  # fmt: skip
 
 
 __all__ = ["GroupedGemmFp8Sm90", "ROW_ALIGNMENT", "compile_grouped_gemm_fp8", "grouped_gemm_fp8_cuda"]

@@ -17,15 +17,15 @@ other than -1 is outside the op's contract; the kernels treat it as padding
 rather than read out of bounds.  Scales are written MN-major (``a_scale[r, g]``
 at ``g * M_cap + r``).
 
-Mapping (both kernels): one (row, group of 128 columns) is handled by ``L``
-consecutive lanes, each owning 16 bytes of input (bf16/fp16: ``L = 16`` lanes of
-8 elements; fp8: ``L = 8`` lanes of 16 codes), as in ``quant_fp8``.  A CTA of 256
-threads covers ``256 / L`` groups of lanes, each doing 4 consecutive output rows
-of one group column: 64 (bf16) or 128 (fp8) rows per CTA; the grid is
-``(H / 128, ceil(M_cap / rows_per_cta))`` with group columns fastest, so
-neighbouring CTAs read neighbouring bytes of the same source rows.  A CTA first
-stages its rows' token ids in shared memory (one coalesced load, a barrier), so
-that every row load's address is ready at once:
+Row-major mapping (``PermuteQuantKernel``, ``PermuteKernel``): one (row, group
+of 128 columns) is handled by ``L`` consecutive lanes, each owning 16 bytes of
+input (bf16/fp16: ``L = 16`` lanes of 8 elements; fp8: ``L = 8`` lanes of 16
+codes), as in ``quant_fp8``.  A CTA of 256 threads covers ``256 / L`` groups of
+lanes, each doing 4 consecutive output rows of one group column: 64 (bf16) or
+128 (fp8) rows per CTA; the grid is ``(H / 128, ceil(M_cap / rows_per_cta))``
+with group columns fastest, so neighbouring CTAs read neighbouring bytes of the
+same source rows.  A CTA first stages its rows' token ids in shared memory (one
+coalesced load, a barrier), so that every row load's address is ready at once:
 
 * ``permute_quant`` issues its 4 row loads per thread (64 bytes) as ``cp.async``
   into per-thread shared-memory slots, waits once, then quantizes each row from
@@ -38,14 +38,44 @@ that every row load's address is ready at once:
 
 Padding rows are never loaded.  CTAs whose rows all lie at or past ``end`` exit
 at once, so the work follows the routed rows, not ``M_cap``; row blocks beyond
-the 65535 grid rows are covered by a grid-stride loop.  No inter-CTA
-communication: one read of the gathered rows and one write of codes and scales,
-so the floor is HBM bandwidth.
+the 65535 grid rows are covered by a grid-stride loop.  A token routed to ``k``
+experts is read ``k`` times (once per output row).
+
+Token-major mapping (``TokenPermuteQuantKernel``, ``permute_quant`` given
+``token_to_row [T, k]``, the inverse map ``align`` returns: ``token_to_row[t, j]
+= r`` exactly when ``row_to_token[r] = t``; -1 = expert not local): each token
+row of x is read once and quantized once, and its codes and scales are stored to
+each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
+
+* gathering CTAs, ``(H / 128) * ceil(T / 64)`` of them, group columns fastest:
+  quant_fp8's shape, 16 lanes per (token, group), 4 tokens per thread (16 apart),
+  64 tokens per CTA.  Each thread issues its 4 x loads (16 bytes each; tokens past
+  T re-read token T-1) and its tokens' ``token_to_row`` entries (lane ``l`` of the
+  16 loads entry ``l``, and ``l + 16`` when k > 16) before any math (tied to the
+  math by an opaque zero, or ptxas sinks some of them); then per token:
+  quantize, and for ``j < k`` broadcast entry ``j`` by a segmented shuffle and
+  store the lane's 8 codes (``st.global.v2``) as one predicated store (row in
+  ``[0, end)``, so -1 is skipped; no branch) at one IMAD.WIDE.U32 of address;
+  the scale, which every lane holds, goes from lane ``j`` to entry ``j``.  No
+  shared memory; 4 instructions per destination and lane.
+* zeroing CTAs, ``ceil(H / 1024) * ceil(M_cap / 256)``: rows ``[256 b, 256 b +
+  256)`` of a slab of 8 group columns.  Each thread reads one ``row_to_token``
+  entry; each warp ballots its 32 padding rows (``t == -1`` or outside ``[0, T)``,
+  row ``< end``) and writes them one by one: 1024 zero codes (two 16-byte stores
+  per lane) and 8 scales of an all-zero group (taken from the quantizer itself).
+  Blocks at or past ``end`` exit at once; only padding rows are written.
+
+The two kinds write disjoint rows when the maps are each other's inverse (rows
+named by neither stay unwritten).  Bytes: x read once, every row ``< end``
+written once (routed rows' codes and scales, padding rows' zeros), plus
+``row_to_token`` read once per slab and ``token_to_row`` once per group column
+(both from L2).
 
 Constraints (``can_implement``): x bf16/fp16 (``permute_quant``), a_in
 float8_e4m3fn (``permute``); H a multiple of 128; unit column stride with a
 16-byte aligned base and row stride (checked on the host); ``a_in_scale`` f32
-with any strides.
+with any strides.  Token-major: ``1 <= k <= 32`` (other k use the row-major
+kernel), outputs allocated by the launch function (scales of row stride 1).
 """
 
 from __future__ import annotations
@@ -54,10 +84,15 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils
 import torch
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import dsl_user_op
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .moe_rows import GROUP, RowGroupKernel, checked_outputs
+from .fp8_group import lanes_per_group, quantize_group_fp8
+from .host_checks import debug_check_index_range
+from .moe_rows import GROUP, RowGroupKernel, checked_outputs, rows_end
+from .reduce_common import opaque_zero
 
 QUANT_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -148,6 +183,177 @@ class PermuteQuantKernel(_RowGather):
                 self.quantize_store(rX, mQ, mS, first_row + u, end, group, chunk, tidx, self.ue8m0)
 
 
+@dsl_user_op
+def store_if(pred, addr, words, *, loc=None, ip=None) -> None:
+    """``st.global`` of 1, 2 or 4 32-bit words at the 64-bit global address ``addr`` when ``pred``:
+    one predicated instruction, no branch (a ``cute.copy`` under ``if`` becomes a branch region)."""
+    n = len(words)
+    data = "$2" if n == 1 else "{" + ", ".join(f"${i + 2}" for i in range(n)) + "}"
+    vec = {1: "b32", 2: "v2.b32", 4: "v4.b32"}[n]
+    text = f"{{\n\t.reg .pred p;\n\tsetp.ne.b32 p, $1, 0;\n\t@p st.global.{vec} [$0], {data};\n\t}}"
+    ops = [Int64(addr).ir_value(loc=loc, ip=ip)] + [Int32(v).ir_value(loc=loc, ip=ip) for v in (pred, *words)]
+    llvm.inline_asm(
+        None, ops, text, "l,r," + ",".join(["r"] * n),
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
+class TokenPermuteQuantKernel:
+    """Token-major ``permute_quant``; static configuration: input dtype, scale format, top-k ``k``."""
+
+    num_threads = 256
+    rows_per_thread = 4  # token rows per thread (strided by a pass), all loaded before any math
+    pad_groups = 8  # group columns per zeroing CTA: 1024 codes per row, two 16-byte stores per lane
+    max_k = 32
+
+    def __init__(self, dtype, ue8m0: bool, k: int):
+        self.dtype = dtype
+        self.ue8m0 = ue8m0
+        self.k = k
+        self.lanes = lanes_per_group(dtype.width // 8, GROUP)
+        self.elems_per_lane = GROUP // self.lanes
+        self.rows_per_pass = self.num_threads // self.lanes
+        self.tokens_per_cta = self.rows_per_pass * self.rows_per_thread
+        self.entries_per_lane = -(-k // self.lanes)  # lane l holds destinations l, l + lanes, ...
+        # shfl.sync.idx within segments of `lanes` lanes: source lane (lane & ~(lanes-1)) | j
+        self.segment = ((32 - self.lanes) << 8) | 31
+
+    @classmethod
+    def can_implement(cls, dtype: torch.dtype, hidden: int, k: int) -> str | None:
+        """None when the kernel supports the configuration, else the reason."""
+        reason = PermuteQuantKernel.can_implement(dtype, hidden)
+        if reason is None and not 1 <= k <= cls.max_k:
+            reason = f"top-k (token_to_row.shape[1]) must be in [1, {cls.max_k}], got {k}"
+        return reason
+
+    @cute.jit
+    def ctas(self, num_tokens, hidden, m_cap):
+        """(gathering CTAs: group columns x token blocks, zeroing CTAs: column slabs x row blocks)."""
+        groups = hidden // GROUP
+        return (
+            groups * cute.ceil_div(num_tokens, self.tokens_per_cta),
+            cute.ceil_div(groups, self.pad_groups) * cute.ceil_div(m_cap, self.num_threads),
+        )
+
+    @cute.jit
+    def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, stream):
+        mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+        gather, zero = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
+        self.kernel(mX, mT2R, mR2T, mOff, mQ, mS).launch(
+            grid=[gather + zero, 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mX, mT2R, mR2T, mOff, mQ, mS):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        gather, _ = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
+        end = rows_end(mOff, mQ.shape[0])
+        if bid < gather:
+            self.gather(mX, mT2R, mQ, mS, bid, end, tidx)
+        else:
+            self.zero_padding(mR2T, mQ, mS, bid - gather, end, mX.shape[0], tidx)
+
+    @cute.jit
+    def gather(self, mX, mT2R, mQ, mS, bid, end, tidx):
+        """Quantize 4 token rows of one group column per 16 lanes; store each to its k rows."""
+        groups = mQ.shape[1] // GROUP
+        group = bid % groups
+        lane = tidx % self.lanes
+        chunk = group * self.lanes + lane
+        first_tok = (bid // groups) * self.tokens_per_cta + tidx // self.lanes
+        num_tokens = mX.shape[0]
+        load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
+        # Every load first: the x rows (tokens past T re-read token T-1: no predicated loads) and
+        # this lane's entries of token_to_row (lanes past k re-read entry k-1).
+        rXs, entries = [], []
+        for u in cutlass.range_constexpr(self.rows_per_thread):
+            tok = cutlass.min(first_tok + u * self.rows_per_pass, num_tokens - 1)
+            rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+            cute.copy(load, cute.local_tile(mX[tok, None], (self.elems_per_lane,), (chunk,)), rX)
+            rXs.append(rX)
+            entries.append(
+                [mT2R[tok, cutlass.min(lane + m * self.lanes, self.k - 1)] for m in range(self.entries_per_lane)]
+            )
+        # Each row's data OR-ed with (every loaded word & an opaque zero): bit for bit unchanged, but
+        # no math starts before every load is issued (ptxas would otherwise sink some rows' loads,
+        # and the token_to_row loads, below other rows' quantization to save registers).
+        tie = Int32(0)
+        for u in cutlass.range_constexpr(self.rows_per_thread):
+            tie = tie | cute.recast_tensor(rXs[u], Int32)[0]
+            for entry in entries[u]:
+                tie = tie | entry
+        tie = tie & opaque_zero(num_tokens)
+        for u in cutlass.range_constexpr(self.rows_per_thread):
+            words = cute.recast_tensor(rXs[u], Int32)
+            words[0] = words[0] | tie
+        # Destinations: this lane's bytes of row 0 plus row * row stride (codes; a row stride
+        # fits 32 bits), and its group column's scale of row 0 plus 4 * row (MN-major scales).
+        q_base = cute.local_tile(mQ[0, None], (self.elems_per_lane,), (chunk,)).iterator.toint()
+        q_row_bytes = Uint32(mQ.stride[0])
+        s_base = (mS.iterator + group * mS.stride[1]).toint()
+        for u in cutlass.range_constexpr(self.rows_per_thread):
+            rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+            scale = quantize_group_fp8(rXs[u], rQ, self.lanes, self.ue8m0)
+            codes = cute.recast_tensor(rQ, Int32)
+            # A destination row is written when it lies in [0, end) (-1: expert not local), as an
+            # unsigned compare; tokens past T write nothing.
+            row_end = cutlass.select_(first_tok + u * self.rows_per_pass < num_tokens, Uint32(end), Uint32(0))
+            for j in cutlass.range_constexpr(self.k):
+                row = cute.arch.shuffle_sync(entries[u][j // self.lanes], j % self.lanes, mask_and_clamp=self.segment)
+                # mul.wide.u32: one IMAD.WIDE.U32 with the base as addend (a 64-bit product from
+                # the DSL costs an extra add of its zero high word).
+                q_addr = q_base + Int64(cute.arch.mul_wide(Uint32(row), q_row_bytes))
+                store_if(Uint32(row) < row_end, q_addr, [codes[w] for w in range(cute.size(codes))])
+            # The scale (every lane has it): lane l stores it to destination l (and l + 16), the
+            # entry it loaded itself.
+            for m in cutlass.range_constexpr(self.entries_per_lane):
+                row = entries[u][m]
+                ok = Uint32(row) < row_end and lane + m * self.lanes < self.k
+                store_if(ok, s_base + Int64(row) * 4, [scale.bitcast(Int32)])
+
+    @cute.jit
+    def zero_padding(self, mR2T, mQ, mS, block, end, num_tokens, tidx):
+        """Rows [256 b, 256 b + 256) of one slab of 8 group columns: each thread reads one row's token
+        id; each warp then writes its padding rows one after another (a ballot of the 32 rows), each
+        row's 1024 codes by the 32 lanes (two 16-byte stores each) and its 8 scales by 8 lanes."""
+        groups = mQ.shape[1] // GROUP
+        slabs = cute.ceil_div(groups, self.pad_groups)
+        first_row = (block // slabs) * self.num_threads
+        if first_row < end:
+            slab = block % slabs
+            row = first_row + tidx
+            tok = mR2T[cutlass.min(row, end - 1)]
+            mask = cutlass.Uint32(cute.arch.vote_ballot_sync(row < end and (tok < 0 or tok >= num_tokens)))
+            lane = cute.arch.lane_idx()
+            warp_first_row = first_row + tidx // 32 * 32
+            zero_scale = self.zero_group_scale()
+            vec = 16  # codes per 16-byte store
+            store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
+            rZ = cute.make_rmem_tensor((vec,), cutlass.Uint8)
+            rZ.fill(0)
+            mCodes = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Uint8), mQ.layout)
+            group = slab * self.pad_groups + lane
+            while mask != 0:  # warp-uniform: one padding row per iteration
+                i = cute.arch.bfind(mask)
+                mask = mask ^ (cutlass.Uint32(1) << cutlass.Uint32(i))
+                pad_row = warp_first_row + i
+                for c in cutlass.range_constexpr(self.pad_groups * GROUP // vec // 32):
+                    col = slab * (self.pad_groups * GROUP // vec) + c * 32 + lane
+                    if col < mQ.shape[1] // vec:
+                        cute.copy(store, rZ, cute.local_tile(mCodes[pad_row, None], (vec,), (col,)))
+                if lane < self.pad_groups and group < groups:
+                    mS[pad_row, group] = zero_scale
+
+    @cute.jit
+    def zero_group_scale(self) -> Float32:
+        """The scale of an all-zero group, from the quantizer itself (1e-6 / 448, or 2**-28)."""
+        rZ = cute.make_rmem_tensor((1,), Float32)
+        rZ.fill(0.0)
+        rQ = cute.make_rmem_tensor((1,), cutlass.Float8E4M3FN)
+        return quantize_group_fp8(rZ, rQ, 1, self.ue8m0)
+
+
 class PermuteKernel(_RowGather):
     """FP8 rows and their scales moved into expert order; no static options."""
 
@@ -194,13 +400,15 @@ class PermuteKernel(_RowGather):
                         mS[row, group] = scales[u]
 
 
-def _fake_rows_io(in_dtype, num_tokens, hidden, m_cap):
-    """Fake tensors shared by both kernels: source rows, maps, codes and scales of any strides."""
+def _fake_rows_io(in_dtype, num_tokens, hidden, m_cap, mn_major_scales: bool = False):
+    """Fake tensors shared by the kernels: source rows, maps, codes and scales of any strides (or,
+    with ``mn_major_scales``, of row stride 1: what the launch functions allocate)."""
     mX = fake_tensor(in_dtype, (num_tokens, hidden), (cute.sym_int64(divisibility=128 // in_dtype.width), 1))
     mR2T = fake_tensor(cutlass.Int32, (m_cap,), (1,), align=4)
     mOff = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     mQ = fake_tensor(cutlass.Uint8, (m_cap, hidden), (cute.sym_int64(divisibility=16), 1))
-    mS = fake_tensor(Float32, (m_cap, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()), align=4)
+    row_stride = 1 if mn_major_scales else cute.sym_int64()
+    mS = fake_tensor(Float32, (m_cap, cute.sym_int()), (row_stride, cute.sym_int64()), align=4)
     return mX, mR2T, mOff, mQ, mS
 
 
@@ -210,6 +418,18 @@ def compile_permute_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin
     cdtype = torch_to_cutlass_dtype(dtype)
     mX, mR2T, mOff, mQ, mS = _fake_rows_io(cdtype, cute.sym_int(), cute.sym_int(), cute.sym_int())
     return compile_kernel(PermuteQuantKernel(cdtype, ue8m0), mX, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
+
+
+@cached_compile
+def compile_permute_quant_tokens(dtype: torch.dtype, ue8m0: bool, k: int, arch: str, keep_cubin: bool = False):
+    """Compile the token-major kernel for every T, H, M_cap and E (MN-major scales: row stride 1);
+    the key adds k."""
+    cdtype = torch_to_cutlass_dtype(dtype)
+    num_tokens = cute.sym_int()
+    mX, mR2T, mOff, mQ, mS = _fake_rows_io(cdtype, num_tokens, cute.sym_int(), cute.sym_int(), True)
+    mT2R = fake_tensor(cutlass.Int32, (num_tokens, k), (cute.sym_int64(), cute.sym_int64()), align=4)
+    kernel = TokenPermuteQuantKernel(cdtype, ue8m0, k)
+    return compile_kernel(kernel, mX, mT2R, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
 @cached_compile
@@ -227,14 +447,35 @@ def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[0] else t.new_zeros((1, t.shape[1]))
 
 
-def permute_quant_cuda(x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None):
-    """Launch on x's device and current stream; inputs already validated by the op layer."""
-    reason = PermuteQuantKernel.can_implement(x.dtype, x.shape[1])
-    a, a_scale = checked_outputs("permute_quant", "x", x, reason, row_to_token.shape[0], x.shape[1])
+def permute_quant_cuda(
+    x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None, token_to_row=None
+):
+    """Launch on x's device and current stream; inputs already validated by the op layer.
+
+    With ``token_to_row`` the token-major kernel runs (the row-major one for a top-k outside
+    [1, 32]); without it the row-major one.  Both write the same outputs."""
+    m_cap, hidden = row_to_token.shape[0], x.shape[1]
+    a, a_scale = checked_outputs(
+        "permute_quant", "x", x, PermuteQuantKernel.can_implement(x.dtype, hidden), m_cap, hidden
+    )
     if a.numel() == 0:
         return a, a_scale
-    fn = compile_permute_quant(x.dtype, scale_fmt == "ue8m0", arch_of_device(x.device))
-    fn(_nonempty_rows(x), row_to_token, expert_offsets, a.view(torch.uint8), a_scale)
+    ue8m0, arch = scale_fmt == "ue8m0", arch_of_device(x.device)
+    k = 0 if token_to_row is None else token_to_row.shape[1]
+    if token_to_row is None or TokenPermuteQuantKernel.can_implement(x.dtype, hidden, k) is not None:
+        compile_permute_quant(x.dtype, ue8m0, arch)(
+            _nonempty_rows(x), row_to_token, expert_offsets, a.view(torch.uint8), a_scale
+        )
+        return a, a_scale
+    # The kernel reads int32 rows; an int64 entry outside int32 is outside [0, M_cap) anyway, and
+    # the debug mode names it before the narrowing could hide it.
+    debug_check_index_range("permute_quant", "token_to_row", token_to_row, m_cap)
+    t2r = token_to_row if token_to_row.dtype == torch.int32 else token_to_row.to(torch.int32)
+    if x.shape[0] == 0:  # no token: one placeholder token routed nowhere; the zeroing CTAs still run
+        t2r = t2r.new_full((1, k), -1)
+    compile_permute_quant_tokens(x.dtype, ue8m0, k, arch)(
+        _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale
+    )
     return a, a_scale
 
 
@@ -255,11 +496,23 @@ def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: tor
 def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect permute_quant``."""
     quant_smem = PermuteQuantKernel(torch_to_cutlass_dtype(torch.bfloat16), False).smem_bytes()
-    return [
-        (
-            f"permute_quant[bfloat16, scale_fmt={fmt}]",
-            compile_permute_quant(torch.bfloat16, fmt == "ue8m0", arch, True),
-            quant_smem,
-        )
-        for fmt in ("none", "ue8m0")
-    ] + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
+    fmts = ("none", "ue8m0")
+    return (
+        [
+            (
+                f"permute_quant[bfloat16, scale_fmt={fmt}]",
+                compile_permute_quant(torch.bfloat16, fmt == "ue8m0", arch, True),
+                quant_smem,
+            )
+            for fmt in fmts
+        ]
+        + [
+            (
+                f"permute_quant[bfloat16, token-major, k={k}, scale_fmt={fmt}]",
+                compile_permute_quant_tokens(torch.bfloat16, fmt == "ue8m0", k, arch, True),
+                0,
+            )
+            for k, fmt in ((8, "none"), (8, "ue8m0"), (20, "none"))
+        ]
+        + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
+    )
