@@ -4,8 +4,10 @@
     python bench/bench_host_overhead.py [--calls N]
 
 DeepSeek-V3 shapes at T=1 (H=7168, E=256, k=8, I=2048); the KV fill is a decode step of B=1.
-Targets: <= 15 µs per op (issue 5), <= 10 µs for grouped_gemm_fp8 (issue 3).  ``empty`` is
-the time of one ``torch.empty`` on the GPU in the same run, for scale.
+Two paths per op: ``torch.ops.cute_moe.<op>`` (through the dispatcher) and the functional API's
+eager path (``cute_moe.<op>``: the op's CUDA implementation called directly).  Targets: <= 15 µs
+per op (issue 5), <= 10 µs for grouped_gemm_fp8 (issue 3).  ``empty`` is the time of one
+``torch.empty`` on the GPU in the same run, for scale.
 """
 from __future__ import annotations
 
@@ -18,13 +20,21 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.timing import host_us_per_call  # noqa: E402
 
-import cute_moe  # noqa: E402,F401  (registers torch.ops.cute_moe)
+import cute_moe  # noqa: E402  (registers torch.ops.cute_moe)
 
 H, E, K, INTER = 7168, 256, 8, 2048
 
 
-def cases():
-    ops = torch.ops.cute_moe
+class _Direct:
+    """``cute_moe.ops.call``: the path the functional API (``cute_moe.quant_fp8(...)``) takes eagerly."""
+
+    def __getattr__(self, name):
+        return lambda *args: cute_moe.ops.call(name, *args)
+
+
+def cases(ops=None):
+    """op name -> a decode-size call; ``ops``: ``torch.ops.cute_moe`` (default) or ``_Direct()``."""
+    ops = torch.ops.cute_moe if ops is None else ops
     dev = "cuda"
     x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
     logits = torch.randn(1, E, device=dev)
@@ -65,9 +75,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     args = parser.parse_args()
-    print(f"{'op':>18} {'host us/call':>12}")
-    for name, fn in cases().items():
-        print(f"{name:>18} {host_us_per_call(fn, args.calls):>12.1f}")
+    via_ops, direct = cases(), cases(_Direct())
+    print(f"{'op':>18} {'torch.ops us':>12} {'functional us':>13}")
+    for name, fn in via_ops.items():
+        print(f"{name:>18} {host_us_per_call(fn, args.calls):>12.1f} {host_us_per_call(direct[name], args.calls):>13.1f}")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ def check_arch(arch: str) -> str:
 
 def arch_of_device(device: torch.device) -> str:
     """The kernel target for a CUDA device, or NotImplementedError for others."""
-    return _arch_of_device_index(device.index if device.index is not None else torch.cuda.current_device())
+    return arch_of_device_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _arch_of_device_index(device: int) -> str:
+def arch_of_device_index(device: int) -> str:
     cap = torch.cuda.get_device_capability(device)
     arch = _CAPABILITY_TO_ARCH.get(tuple(cap))
     if arch is None:

@@ -3,7 +3,9 @@
 Every function here is a thin call of the custom op of the same name (so it
 traces under ``torch.compile(fullgraph=True)`` and works in CUDA graphs); the op
 validates its inputs and raises ``TypeError`` / ``ValueError`` naming the
-argument. Arguments with a default are keyword-only.
+argument. Eager calls on CUDA tensors skip the dispatcher and call the op's CUDA
+implementation directly (``cute_moe.ops.call``). Arguments with a default are
+keyword-only.
 
 Conventions: FP8 is ``torch.float8_e4m3fn`` (max 448). Activation scales are
 f32, one per row per 128 columns, logical shape ``[rows, K/128]``; the
@@ -23,7 +25,7 @@ from typing import Optional, TypeVar
 import torch
 from torch import Tensor
 
-import cute_moe.ops  # noqa: F401  (registers torch.ops.cute_moe.*)
+from cute_moe.ops import call as _call  # (importing cute_moe.ops registers torch.ops.cute_moe.*)
 
 __all__ = [
     "align",
@@ -87,7 +89,7 @@ def quant_fp8(
     Returns:
         ``(q, scale)``: q ``[M, K]`` float8_e4m3fn, scale ``[M, K/group_size]`` f32.
     """
-    return _ops.quant_fp8(x, group_size, scale_fmt, column_major_scales)
+    return _call("quant_fp8", x, group_size, scale_fmt, column_major_scales)
 
 
 @_api
@@ -116,7 +118,7 @@ def route(
         ``(topk_ids, topk_weights)``: int32 ``[T, top_k]`` and f32 ``[T, top_k]``, each row in
         descending selection score.
     """
-    return _ops.route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    return _call("route", router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
 
 
 @_api
@@ -142,7 +144,7 @@ def align(
         ``(expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], expert_counts [E_local])``,
         all int32. Rows are assigned in ascending ``t*k + j`` order within a segment; unused rows hold -1.
     """
-    return _ops.align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
+    return _call("align", topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
 
 @_api
@@ -170,7 +172,7 @@ def permute_quant(
         ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
         Padding rows inside a segment are zero codes; rows ``>= expert_offsets[-1]`` are unspecified.
     """
-    return _ops.permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    return _call("permute_quant", x, row_to_token, expert_offsets, scale_fmt, token_to_row)
 
 
 @_api
@@ -185,7 +187,7 @@ def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offse
     Returns:
         ``(a [M_cap, H] fp8, a_scale [M_cap, H/128] f32 MN-major)``; padding rows get codes 0 and scale 1.0.
     """
-    return _ops.permute(a_in, a_in_scale, row_to_token, expert_offsets)
+    return _call("permute", a_in, a_in_scale, row_to_token, expert_offsets)
 
 
 @_api
@@ -213,7 +215,7 @@ def grouped_gemm_fp8(
         ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified, and
         with ``expert_counts`` padding rows unspecified too.
     """
-    return _ops.grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 
 @_api
@@ -231,7 +233,7 @@ def silu_mul_quant(
     Returns:
         ``(a2 [M_cap, I] fp8, a2_scale [M_cap, I/128] f32 MN-major)``; rows ``>= expert_offsets[-1]`` unspecified.
     """
-    return _ops.silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
+    return _call("silu_mul_quant", h, expert_offsets, gate_first, scale_fmt)
 
 
 @_api
@@ -246,7 +248,7 @@ def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     Returns:
         ``out``: ``[T, H]`` bf16. Deterministic (no atomics).
     """
-    return _ops.finalize(y, topk_weights, token_to_row)
+    return _call("finalize", y, topk_weights, token_to_row)
 
 
 @_api
@@ -263,7 +265,7 @@ def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Te
     Returns:
         ``out``: ``[T, H]`` in hidden's dtype.
     """
-    return _ops.moe_reduce(hidden, weights, fp32_acc)
+    return _call("moe_reduce", hidden, weights, fp32_acc)
 
 
 @_api

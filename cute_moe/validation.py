@@ -119,7 +119,10 @@ def check_ndim(op: str, name: str, t: Tensor, ndim: int, what: str = "") -> None
 
 def check_shape(op: str, name: str, t: Tensor, expected: Sequence[Optional[int]], what: str = "") -> None:
     """ValueError unless ``t.shape`` matches ``expected`` (None = any size); ``what`` is the symbolic shape."""
-    ok = t.dim() == len(expected) and all(e is None or s == e for s, e in zip(t.shape, expected))
+    shape = t.shape
+    if shape == tuple(expected):  # the common case, in one comparison
+        return
+    ok = len(shape) == len(expected) and all(e is None or s == e for s, e in zip(shape, expected))
     if not ok:
         exp = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         desc = f"{what} = {exp}" if what else exp
@@ -167,7 +170,7 @@ def check_aligned_16(op: str, name: str, t: Tensor, *, strides: bool = False) ->
     With ``strides=True`` also every stride of a dimension of size > 1, other than a unit
     stride, must be a multiple of 16 bytes. CPU, meta and fake tensors are not checked.
     """
-    if t.device.type != "cuda" or t.numel() == 0 or (type(t) is not Tensor and _is_fake(t)):
+    if not t.is_cuda or t.numel() == 0 or (type(t) is not Tensor and _is_fake(t)):
         return
     if t.data_ptr() % 16 != 0:
         _fail(
@@ -176,9 +179,8 @@ def check_aligned_16(op: str, name: str, t: Tensor, *, strides: bool = False) ->
         )
     if strides:
         item = t.element_size()
-        for d in range(t.dim()):
-            s = t.stride(d)
-            if t.shape[d] > 1 and s != 1 and (s * item) % 16 != 0:
+        for d, (size, s) in enumerate(zip(t.shape, t.stride())):
+            if size > 1 and s != 1 and (s * item) % 16 != 0:
                 _fail(
                     op,
                     f"{name} strides must be multiples of 16 bytes on CUDA (TMA), got stride({d}) = {s} elements of {item} bytes",
@@ -230,13 +232,22 @@ def _tensor(
     last_dim_contiguous: bool = True,
     tma: bool = False,
 ) -> None:
-    """The checks every tensor argument gets: type, dtype, ndim, strides, CUDA alignment."""
-    check_tensor(op, name, t)
-    check_dtype(op, name, t, dtypes)
-    check_ndim(op, name, t, ndim, what)
-    if last_dim_contiguous:
+    """The checks every tensor argument gets: type, dtype, ndim, strides, CUDA alignment.
+
+    Written as one pass over the tensor's metadata that calls the detailed checkers (which
+    raise with the message) only when a rule fails: this runs on every eager call.
+    """
+    if not isinstance(t, Tensor):
+        check_tensor(op, name, t)
+    if t.dtype is not dtypes if isinstance(dtypes, torch.dtype) else t.dtype not in dtypes:
+        check_dtype(op, name, t, dtypes)
+    shape = t.shape
+    if len(shape) != ndim:
+        check_ndim(op, name, t, ndim, what)
+    if last_dim_contiguous and ndim and shape[-1] != 1 and t.stride(-1) != 1:
         check_last_dim_contiguous(op, name, t)
-    check_aligned_16(op, name, t, strides=tma)
+    if t.is_cuda:
+        check_aligned_16(op, name, t, strides=tma)
 
 
 def _offsets(op: str, name: str, t: Any, num: Optional[int] = None, num_what: str = "") -> int:
@@ -405,8 +416,9 @@ def _check_gemm(
     for want, got, what in ((E, Eb, "E"), (N, Nb, "N"), (K, Kb, "K")):
         if want is not None and want != got:
             _fail(op, f"{bn} must have {what} = {want}, got shape {_shape(b)}")
-    check_divisible(op, f"K ({bn}.shape[2])", Kb, ACT_GROUP_SIZE)
-    check_divisible(op, f"N ({bn}.shape[1])", Nb, 8)
+    if Kb % ACT_GROUP_SIZE or Nb % 8:  # (the messages' f-strings only on the error path)
+        check_divisible(op, f"K ({bn}.shape[2])", Kb, ACT_GROUP_SIZE)
+        check_divisible(op, f"N ({bn}.shape[1])", Nb, 8)
     if a is not None:
         assert a_scale is not None
         _tensor(op, asn, a_scale, torch.float32, 2, "[M, K/128]", last_dim_contiguous=False)

@@ -23,7 +23,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Int32
 
-from ..compiler import arch_of_device
+from ..compiler import arch_of_device_index
 
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
@@ -140,10 +140,10 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
     if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
     a_scale = prepare_a_scale(a_scale)
-    device_arch = arch_of_device(a.device)
+    device = a.get_device()
+    device_arch = arch_of_device_index(device)
     if device_arch != arch:
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
-    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     grid = launch_grid(m_cap, n, num_sms(device), cluster_n)
     compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, *extra,
                grid)  # fmt: skip
