@@ -163,10 +163,11 @@ def permute_quant(
         row_to_token: ``[M_cap]`` int32 from :func:`align`.
         expert_offsets: ``[E_local+1]`` int32 from :func:`align`.
         scale_fmt: ``None`` or ``"ue8m0"``.
-        token_to_row: optional ``[T, k]`` int32/int64 from :func:`align`, the inverse of
-            ``row_to_token`` (``-1`` = expert not local). It does not change the result; given it,
-            the CUDA kernel reads and quantizes each token row once and stores it to its ``k``
-            rows (without it, each routed row is gathered and quantized on its own).
+        token_to_row: optional ``[T, k]`` int32/int64 from :func:`align`, exactly the inverse of
+            ``row_to_token`` (``-1`` = expert not local; checked on the CPU, trusted on the GPU,
+            where a row it does not name is left unwritten). It does not change the result;
+            given it, the CUDA kernel reads and quantizes each token row once and stores it to
+            its ``k`` rows (without it, each routed row is gathered and quantized on its own).
 
     Returns:
         ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
@@ -204,10 +205,12 @@ def grouped_gemm_fp8(
 
     Args:
         a: ``[M_cap, K]`` float8_e4m3fn, ``K % 128 == 0``.
-        a_scale: ``[M_cap, K/128]`` f32 (1x128 blocks), any strides (MN-major is the fast path).
+        a_scale: ``[M_cap, K/128]`` f32 (1x128 blocks); the CUDA kernel needs it MN-major (strides
+            ``(1, M_cap)``, as permute_quant and silu_mul_quant write it), the CPU takes any strides.
         b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
         b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks).
-        expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])``.
+        expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])`` (``off[0]`` is
+            normally 0; rows before it are unspecified, like rows ``>= off[-1]``).
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
             output); the rest of the segment is padding, and the kernel may skip it.
 

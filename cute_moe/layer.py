@@ -47,10 +47,9 @@ FP8 weights and the f32 scales and bias as they are; device moves apply.
 from __future__ import annotations
 
 import json
-import numbers
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, NoReturn, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
@@ -64,24 +63,11 @@ __all__ = ["FusedMoE"]
 _B = V.ACT_GROUP_SIZE  # 128: activation group, weight block edge
 _FP8 = V.FP8_DTYPE
 _FLOAT_W = (torch.bfloat16, torch.float16, torch.float32)
+_fail = V._fail  # cute_moe.<where>: <message>
+_cdiv = V._cdiv
 _HF_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")  # DeepSeek-V3 / Qwen3-MoE; Mixtral: ("w1", "w3", "w2")
 
 Checkpoint = Union[Mapping[str, Tensor], str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
-
-
-def _fail(where: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
-    raise exc(f"cute_moe.{where}: {msg}")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _check_int(where: str, name: str, v: Any, lo: Optional[int] = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-        _fail(where, f"{name} must be an int, got {type(v).__name__}", TypeError)
-    if lo is not None and v < lo:
-        _fail(where, f"{name} must be >= {lo}, got {v}")
 
 
 def _check_config(
@@ -101,44 +87,19 @@ def _check_config(
     act_scale_fmt: Any,
 ) -> int:
     """Every rule of the layer's configuration, before anything is allocated. Returns E_local."""
-    _check_int(where, "num_experts", num_experts, 1)
-    _check_int(where, "top_k", top_k, 1)
-    if top_k > num_experts:
-        _fail(where, f"top_k must be <= num_experts = {num_experts}, got {top_k}")
+    V.check_int(where, "num_experts", num_experts, min=1)
+    V.check_routing_config(
+        where, num_experts, top_k, routing_method, n_group, topk_group, routed_scaling_factor, has_score_bias,
+        "routing_method",
+    )  # fmt: skip
     for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        _check_int(where, name, v, 1)
+        V.check_int(where, name, v, min=1)
         if v % _B:
             _fail(where, f"{name} must be a multiple of {_B} (the 1x128 FP8 activation groups), got {v}")
-    if routing_method not in V.ROUTING_METHODS:
-        _fail(where, f"routing_method must be one of {', '.join(map(repr, V.ROUTING_METHODS))}, got {routing_method!r}")
-    _check_int(where, "n_group", n_group, 1)
-    _check_int(where, "topk_group", topk_group, 1)
-    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, numbers.Real):
-        _fail(where, f"routed_scaling_factor must be a float, got {type(routed_scaling_factor).__name__}", TypeError)
-    if routing_method == "deepseek_v3":
-        if num_experts % n_group:
-            _fail(where, f"num_experts must be divisible by n_group = {n_group}, got {num_experts}")
-        if topk_group > n_group:
-            _fail(where, f"topk_group must be <= n_group = {n_group}, got {topk_group}")
-        if top_k > topk_group * (num_experts // n_group):
-            _fail(
-                where,
-                f"top_k must be <= topk_group * (num_experts / n_group) = {topk_group * (num_experts // n_group)}, "
-                f"got {top_k}",
-            )
-    else:
-        if n_group != 1 or topk_group != 1:
-            _fail(
-                where,
-                f"n_group and topk_group must be 1 unless routing_method='deepseek_v3', "
-                f"got n_group={n_group}, topk_group={topk_group} with routing_method={routing_method!r}",
-            )
-        if has_score_bias:
-            _fail(where, f"score_bias is only allowed with routing_method='deepseek_v3', got {routing_method!r}")
-    _check_int(where, "expert_offset", expert_offset, 0)
+    V.check_int(where, "expert_offset", expert_offset, min=0)
     if num_local_experts is None:
         num_local_experts = num_experts - expert_offset
-    _check_int(where, "num_local_experts", num_local_experts, 1)
+    V.check_int(where, "num_local_experts", num_local_experts, min=1)
     if expert_offset + num_local_experts > num_experts:
         _fail(
             where,
@@ -417,7 +378,7 @@ class FusedMoE(torch.nn.Module):
             if t.device != w13.device:
                 _fail(where, f"all weights must be on one device: w13 is on {w13.device}, {name} is on {t.device}")
         if num_experts is None:
-            _check_int(where, "expert_offset", expert_offset, 0)
+            V.check_int(where, "expert_offset", expert_offset, min=0)
             num_experts = expert_offset + e_local
         layer = cls(
             num_experts, top_k, H, I, routing_method=routing_method, n_group=n_group, topk_group=topk_group,

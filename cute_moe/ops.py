@@ -4,9 +4,9 @@ Each op has
 
 * a CPU implementation: input validation, then the pure-PyTorch reference
   (``cute_moe.reference.<op>_ref``), so every op runs on a machine with no GPU;
-* a CUDA implementation: input validation, then the CuTe DSL kernel. Ops whose
-  kernel has not landed raise ``NotImplementedError`` -- never a silent fallback
-  to the reference;
+* a CUDA implementation: input validation, then the CuTe DSL kernel (inputs a
+  kernel cannot take raise ``NotImplementedError`` or ``ValueError`` -- never a
+  silent fallback to the reference);
 * a fake (meta) implementation that computes every output shape and stride
   statically (``M_cap`` from ``reference.m_cap``, which works on SymInts), so
   ``torch.compile(fullgraph=True, dynamic=True)`` and CUDA graphs work. A fake
@@ -15,8 +15,8 @@ Each op has
   so a fake repeats the defaults of the arguments it reads.
 
 ``fused_moe`` and ``fused_moe_routed`` have one device-generic implementation
-that composes the other ``torch.ops.cute_moe`` ops, so they run on CPU and use
-each CUDA kernel as it lands.
+that composes the other ops (through ``call``: eagerly on CUDA the kernels'
+implementations directly, otherwise the ops), so they run on every device.
 
 Validation only reads metadata (never tensor data), and never runs in the fake
 implementations. Importing this module neither imports ``cutlass`` nor
@@ -106,8 +106,11 @@ def _custom_op(qualname: str, *, mutates_args: Any, device_types: Optional[str] 
 def call(name: str, *args: Any) -> Any:
     """``torch.ops.cute_moe.<name>(*args)``; eagerly on a plain CUDA tensor, the op's CUDA
     implementation called directly (the function the dispatcher would pick, validation included):
-    that saves the dispatcher's several microseconds per call at decode sizes.  Tracing
-    (torch.compile, fake tensors) and active torch-function / dispatch modes go through the op."""
+    that saves the dispatcher's several microseconds per call at decode sizes.  Everything else
+    goes through the op: torch.compile, torch.jit.trace, functorch transforms (vmap, grad),
+    fake / meta / subclass tensors, active torch-function modes (also ``torch.device(...)``
+    contexts) and dispatch modes.  The direct call records no profiler event for the op and
+    ignores implementations a user registers on it later."""
     first = args[0]
     if (
         type(first) is Tensor
@@ -115,6 +118,8 @@ def call(name: str, *args: Any) -> Any:
         and not torch.compiler.is_compiling()
         and not torch._C._len_torch_dispatch_stack()
         and not torch._C._is_torch_function_mode_enabled()
+        and not torch._C._are_functorch_transforms_active()
+        and not torch.jit.is_tracing()
     ):
         impl = _OPS[name].kernels.get("cuda")
         if impl is not None:
@@ -256,11 +261,8 @@ def _align_cuda(
     from cute_moe.kernels.align import align_cuda
     from cute_moe.kernels.host_checks import debug_check_index_range
 
-    # The kernel reads int32 ids; an int64 id outside int32 is outside [0, num_experts) anyway,
-    # and the debug mode names it before the narrowing could hide it.
     debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
-    ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
-    return align_cuda(ids, num_experts, alignment, expert_offset, num_local_experts)
+    return align_cuda(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
 
 @align.register_fake

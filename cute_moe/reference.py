@@ -124,6 +124,24 @@ def _row_mask(row_to_token: torch.Tensor, expert_offsets: torch.Tensor):
     return tok, valid
 
 
+def _check_inverse(token_to_row: torch.Tensor, tok: torch.Tensor, valid: torch.Tensor) -> None:
+    """ValueError unless token_to_row's entries >= 0 are exactly the valid rows, each naming back
+    its own token (row_to_token[token_to_row[t, j]] == t)."""
+    M = tok.shape[0]
+    t2r = token_to_row.long()
+    named = t2r >= 0
+    rows = t2r[named]
+    tokens = torch.arange(t2r.shape[0], device=t2r.device)[:, None].expand_as(t2r)[named]
+    in_range = bool((rows < M).all())
+    ok = in_range and bool(valid[rows].all()) and bool((tok[rows] == tokens).all())
+    ok = ok and rows.numel() == int(valid.sum()) and rows.unique().numel() == rows.numel()
+    if not ok:
+        raise ValueError(
+            "cute_moe.permute_quant: token_to_row must be the inverse of row_to_token "
+            "(align's third output): every routed row named once, by its own token"
+        )
+
+
 def _weighted_sum(rows_f32, weights: torch.Tensor, H: int, device, valid=None) -> torch.Tensor:
     """sum_j weights[:, j] * rows_f32(j) in f32, in order j = 0..k-1; invalid entries skipped."""
     acc = torch.zeros(weights.shape[0], H, dtype=torch.float32, device=device)
@@ -265,10 +283,13 @@ def permute_quant_ref(
 ):
     """Gather rows by expert and quantize: (a fp8 [M_cap, H], a_scale f32 [M_cap, H/128] MN-major).
 
-    ``token_to_row`` (the inverse map, which the CUDA op uses to read each token once) is accepted
-    and ignored: the result is defined by ``row_to_token`` alone."""
+    The result is defined by ``row_to_token`` alone; ``token_to_row`` (the inverse map, which the
+    CUDA op uses to read each token once) must be exactly that inverse, as ``align`` returns it:
+    checked here (ValueError), trusted by the CUDA kernel."""
     _check_scale_fmt(scale_fmt)
     tok, valid = _row_mask(row_to_token, expert_offsets)
+    if token_to_row is not None:
+        _check_inverse(token_to_row, tok, valid)
     T = x.shape[0]
     xz = torch.cat([x.float(), x.new_zeros(1, x.shape[1], dtype=torch.float32)])  # row T = zeros
     src = xz[torch.where(valid, tok, T)]

@@ -276,6 +276,41 @@ def validate_quant_fp8(
     check_bool(op, "column_major_scales", column_major_scales)
 
 
+def check_routing_config(
+    op: str,
+    num_experts: int,
+    top_k: Any,
+    method: Any,
+    n_group: Any,
+    topk_group: Any,
+    routed_scaling_factor: Any,
+    has_bias: bool,
+    method_name: str = "method",
+    experts_what: str = "num_experts",
+) -> None:
+    """The routing rules on scalars (shared by the ops and ``FusedMoE``'s configuration)."""
+    check_choice(op, method_name, method, ROUTING_METHODS)
+    check_int(op, "top_k", top_k, min=1, max=num_experts, max_what=experts_what)
+    check_int(op, "n_group", n_group, min=1)
+    check_int(op, "topk_group", topk_group, min=1)
+    check_float(op, "routed_scaling_factor", routed_scaling_factor)
+    if has_bias and method != "deepseek_v3":
+        _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
+    if method != "deepseek_v3":
+        if n_group != 1 or topk_group != 1:
+            _fail(
+                op,
+                f"n_group and topk_group must be 1 unless {method_name}='deepseek_v3', "
+                f"got n_group={n_group}, topk_group={topk_group} with {method_name}={method!r}",
+            )
+        return
+    check_divisible(op, experts_what, num_experts, n_group, "n_group")
+    check_int(op, "topk_group", topk_group, max=n_group, max_what="n_group")
+    check_int(
+        op, "top_k", top_k, max=topk_group * (num_experts // n_group), max_what="topk_group * (num_experts / n_group)"
+    )
+
+
 def _check_routing(
     op: str,
     router_logits: Tensor,
@@ -291,27 +326,14 @@ def _check_routing(
     E = router_logits.shape[1]
     if E < 1:
         _fail(op, f"router_logits must have at least one expert column, got shape {_shape(router_logits)}")
-    check_choice(op, method_name, method, ROUTING_METHODS)
-    check_int(op, "top_k", top_k, min=1, max=E, max_what="num_experts (router_logits.shape[1])")
-    check_int(op, "n_group", n_group, min=1)
-    check_int(op, "topk_group", topk_group, min=1)
-    check_float(op, "routed_scaling_factor", routed_scaling_factor)
-    if check_tensor(op, "score_bias", score_bias, optional=True):
-        if method != "deepseek_v3":
-            _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
+    has_bias = check_tensor(op, "score_bias", score_bias, optional=True)
+    check_routing_config(
+        op, E, top_k, method, n_group, topk_group, routed_scaling_factor, has_bias, method_name,
+        "num_experts (router_logits.shape[1])",
+    )  # fmt: skip
+    if has_bias:
         _tensor(op, "score_bias", score_bias, torch.float32, 1, "[E]")
         check_shape(op, "score_bias", score_bias, (E,), "[E]")
-    if method != "deepseek_v3":
-        if n_group != 1 or topk_group != 1:
-            _fail(
-                op,
-                f"n_group and topk_group must be 1 unless {method_name}='deepseek_v3', "
-                f"got n_group={n_group}, topk_group={topk_group} with {method_name}={method!r}",
-            )
-        return
-    check_divisible(op, "num_experts (router_logits.shape[1])", E, n_group, "n_group")
-    check_int(op, "topk_group", topk_group, max=n_group, max_what="n_group")
-    check_int(op, "top_k", top_k, max=topk_group * (E // n_group), max_what="topk_group * (num_experts / n_group)")
 
 
 def validate_route(

@@ -9,6 +9,7 @@ lockstep (a multicast needs both)."""
 import random
 
 import pytest
+import torch
 
 from cute_moe.kernels import grouped_gemm_schedule as gs
 
@@ -74,3 +75,16 @@ def test_schedule_balances_ctas():
     plan = gs.tile_schedule(offsets, 40 * 128 + 256, 2112, 148)
     assert {len(v) for v in plan} == {4, 5}
     assert plan[0][:2] == [(0, 0, 0), (8, 12, 0)]  # tile 0, then tile 148 = 8 * 17 + 12
+
+
+def test_prepare_a_scale_takes_only_mn_major():
+    """The kernels copy a_scale columns in 16-byte pieces: MN-major only (K = 128 included, where
+    the column stride is free but the row stride is not)."""
+    m = 256
+    mn_major = torch.empty(2, m).t()
+    assert gs.prepare_a_scale(mn_major).stride() == (1, m)
+    k128 = torch.empty(1, m).t()  # [M, 1], strides (1, M)
+    assert gs.prepare_a_scale(k128).stride() == (1, m)
+    for bad in (torch.empty(m, 2), torch.arange(2.0 * m).reshape(m, 2)[:, :1], torch.ones(1, 1).expand(m, 1)):
+        with pytest.raises(ValueError, match="a_scale must be MN-major"):
+            gs.prepare_a_scale(bad)

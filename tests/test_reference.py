@@ -436,6 +436,19 @@ def test_permute_quant_ignores_token_to_row(scale_fmt):
         assert codes_of(a2) == codes_of(a) and torch.equal(s2, s) and s2.stride() == s.stride()
 
 
+def test_permute_quant_rejects_a_token_to_row_that_is_not_the_inverse():
+    # the CUDA kernel trusts token_to_row (a row it does not name stays unwritten): the reference checks it
+    off, r2t, t2r, _ = R.align_ref(torch.tensor([[0, 3], [5, 1], [3, 2], [7, 0]], dtype=torch.int32), 8, 4, 2, 4)
+    x = randn(4, 256, seed=16, dtype=torch.bfloat16)
+    swapped = t2r.clone()
+    swapped[[0, 2]] = swapped[[2, 0]]  # rows named by the wrong tokens
+    dropped = t2r.clone()
+    dropped[dropped >= 0] = -1  # no row named at all
+    for bad in (swapped, dropped, torch.full_like(t2r, 10**6)):
+        with pytest.raises(ValueError, match="token_to_row must be the inverse of row_to_token"):
+            R.permute_quant_ref(x, r2t, off, None, bad)
+
+
 def test_permute_vs_naive():
     # codes and scales copied exactly; padding rows: codes 0, scale 1.0; input scales may be column-major
     off, r2t, _, _ = routed_layout(seed=13)

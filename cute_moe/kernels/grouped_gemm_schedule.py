@@ -111,8 +111,9 @@ def prepare_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
     """a_scale as the kernels load it: MN-major, 16-byte aligned base and column stride (the 128
     scales of a tile and K block are copied in 16-byte pieces).  ValueError otherwise."""
     m_cap = a_scale.shape[0]
-    if a_scale.shape[1] == 1:  # K = 128: the column stride is never used; give it the declared divisibility
-        a_scale = a_scale.as_strided(a_scale.shape, (1, m_cap))
+    if a_scale.shape[1] == 1 and (a_scale.stride(0) == 1 or m_cap <= 1):
+        # K = 128: the column stride is never used; give it the declared divisibility.
+        a_scale = a_scale.as_strided(a_scale.shape, (1, m_cap), a_scale.storage_offset())
     if a_scale.stride(0) != 1 or a_scale.data_ptr() % 16 or a_scale.stride(1) % 4:
         raise ValueError(
             "cute_moe.grouped_gemm_fp8: a_scale must be MN-major (stride(0) == 1) with a 16-byte aligned base "
@@ -140,6 +141,11 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
     if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
     a_scale = prepare_a_scale(a_scale)
+    if b_scale.shape[2] > 1 and b_scale.stride(2) != 1:
+        raise ValueError(
+            "cute_moe.grouped_gemm_fp8: b_scale needs a unit last stride on the GPU (the [E, N/128, K/128] "
+            f"weight_scale_inv layout), got strides {tuple(b_scale.stride())}"
+        )
     device = a.get_device()
     device_arch = arch_of_device_index(device)
     if device_arch != arch:

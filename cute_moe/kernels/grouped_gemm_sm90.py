@@ -23,11 +23,14 @@ Pipeline (persistent: one CTA per SM, 384 threads; schedule in ``grouped_gemm_sc
   accumulators alternate: K block ``j + 1``'s WGMMAs are issued before K block
   ``j``'s are waited for (``wait_group(1)``), so the promotion's FFMAs of one block
   run while the tensor cores work on the next.  After a tile's last K block the
-  accumulator is converted to bf16 and stored from registers (columns past N and
-  rows outside the segment masked); the producer warps meanwhile run ahead into
-  the next tile.
+  accumulator goes to bf16 through shared memory (stmatrix, two 128 x 32 buffers)
+  and out by TMA stores, which clip columns past N; the producer warps meanwhile
+  run ahead into the next tile.  With ``expert_counts``, a warp group whose 64 rows
+  of the tile are all past the segment's count waits for and frees every stage
+  without issuing math (its rows come out zero).
 
-Constraints: K % 128 == 0; N % 8 == 0; M_cap % 128 == 0 and every segment length a
+Rows before ``expert_offsets[0]`` (normally 0) and at or past ``expert_offsets[-1]`` are
+unspecified.  Constraints: K % 128 == 0; N % 8 == 0; M_cap % 128 == 0 and every segment length a
 multiple of 128 (``align(..., alignment=128)``); a tile of a segment that breaks
 this is written as NaN, never as a plausible wrong answer.  A, B K-major with
 16-byte aligned rows; a_scale MN-major with a 16-byte aligned base and column stride.
