@@ -20,6 +20,7 @@ import functools
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 import torch
 from cutlass import Int32
 
@@ -27,6 +28,7 @@ from ..compiler import arch_of_device_index
 
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
+CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1) -> int:
@@ -73,6 +75,14 @@ def expert_of_row(mOff: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32
 
 
 @cute.jit
+def tile_coords(tile: Int32, n_groups: Int32, rank: Int32):
+    """(m_tile, n_tile) of a CTA's visit ``tile`` (a group of CLUSTER_N adjacent N tiles; an N tile
+    past the last one is a multicast-only visit)."""
+    m_tile = tile // n_groups
+    return m_tile, (tile - m_tile * n_groups) * CLUSTER_N + rank
+
+
+@cute.jit
 def valid_tiles(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n_groups: Int32) -> Int32:
     """Tile groups (one per cluster visit) below the last segment end (read on the device;
     clamped to M_cap)."""
@@ -94,6 +104,24 @@ def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB:
     if lane == 0:
         if n_tile < gSB.shape[0]:
             cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (n_tile, k_tile)), cute.local_tile(sSB, (1, 1), (0, stage)))
+
+
+@cute.jit
+def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
+                mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched):  # fmt: skip
+    """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
+    stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land)."""
+    first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
+    state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
+        m_tile, n_tile = tile_coords(tile, n_groups, rank)
+        gSB = mSB[(expert_of_row(mOff, m_tile * TILE_M, num_experts, lane), None, None)]  # (N blocks, K blocks)
+        for k_tile in cutlass.range(k_tiles, unroll=1):
+            scale_pipe.producer_acquire(state)
+            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane)
+            scale_pipe.producer_commit(state)
+            state.advance()
+    scale_pipe.producer_tail(state)
 
 
 def can_implement(m_cap: int, n: int, k: int) -> str | None:

@@ -129,14 +129,13 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    TILE_K, TILE_M, TILE_N, can_implement, copy_block_scales, expert_of_row, launch, valid_tiles,
+    CLUSTER_N, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales, tile_coords, valid_tiles,
 )  # fmt: skip
 
 EPI_N = 32  # epilogue sub-tile: 128 x 32 bf16 (8 KB), one TMA store each
 AB_STAGES = 6  # 6 x 32 KB of A + B
 SCALE_STAGES = 12  # 12 x 516 B: covers global latency at one stage per K block
 ACC_STAGES = 4  # TMEM buffers of 128 f32 columns each
-CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
 TMEM_COLUMNS = ACC_STAGES * TILE_N  # 512: the whole tensor memory of the SM
 _ACC_WARP_GROUPS = 2  # accumulator-update warp groups, 64 columns each
 _COLS_PER_GROUP = TILE_N // _ACC_WARP_GROUPS
@@ -304,7 +303,7 @@ class GroupedGemmFp8Sm100:
             self.load_ab(tiled_mma, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask,
                          sched)  # fmt: skip
         if warp_idx == _SCALE_WARP:
-            self.load_scales(mSA, mSB, sSFA, sSFB, scale_pipe, mOff, num_experts, lane, sched)
+            load_scales(mSA, mSB, sSFA, sSFB, scale_pipe, SCALE_STAGES, mOff, num_experts, lane, sched)
         if warp_idx == _MMA_WARP:
             tmem.wait_for_alloc()
             tCtAcc = cute.make_tensor(tmem.retrieve_ptr(Float32), self.acc_layout(tiled_mma))
@@ -344,11 +343,10 @@ class GroupedGemmFp8Sm100:
         )
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, AB_STAGES)
         for tile in cutlass.range(first_tile, valid_tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
             # Past the last N tile (an odd count, rank 1 of the last group) the B box lies wholly
             # outside B: TMA fills it with zeros and still counts its bytes; this visit only feeds
             # the partner its A slice.
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank
+            m_tile, n_tile = tile_coords(tile, n_groups, rank)
             expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
             for k_tile in cutlass.range(k_tiles, unroll=1):
                 # The stage is free in both CTAs: both MMA warps' commits arrived on our empty barrier.
@@ -363,24 +361,6 @@ class GroupedGemmFp8Sm100:
         # commit of the partner's can still arrive on this CTA's barriers (and, because every one
         # of those stages was also full in the partner, no multicast of ours is still in flight).
         ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def load_scales(self, mSA, mSB, sSFA, sSFB, scale_pipe, mOff, num_experts, lane, sched):
-        """Scale warp: per K block, the tile's 128 A scales (16 bytes per lane) and its B scale, by cp.async."""
-        first_tile, valid_tiles, tile_stride, n_groups, k_tiles, rank = sched
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, SCALE_STAGES)
-        for tile in cutlass.range(first_tile, valid_tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank  # past N: no B scale (copy_block_scales)
-            expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
-            gSFB = mSB[(expert, None, None)]  # (N blocks, K blocks)
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                scale_pipe.producer_acquire(state)
-                copy_block_scales(mSA, gSFB, sSFA, sSFB, m_tile, n_tile, k_tile, state.index, lane)
-                # Each lane's arrive fires when its own copies have landed.
-                scale_pipe.producer_commit(state)
-                state.advance()
-        scale_pipe.producer_tail(state)
 
     @cute.jit
     def mma(self, tiled_mma, sA, sB, tCtAcc, ab_pipe, acc_pipe, sched):
@@ -453,8 +433,7 @@ class GroupedGemmFp8Sm100:
         acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, ACC_STAGES)
         scale_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, SCALE_STAGES)
         for tile in cutlass.range(first_tile, valid_tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank  # past N: the TMA store writes nothing
+            m_tile, n_tile = tile_coords(tile, n_groups, rank)  # past N: the TMA store writes nothing
             for j in cutlass.range_constexpr(_SUBTILES_PER_GROUP):
                 tTR_rAcc[j].fill(0.0)
             for _k in cutlass.range(k_tiles, unroll=1):

@@ -48,14 +48,14 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, copy_block_scales, expert_of_row, launch, valid_tiles,
+    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales, tile_coords,
+    valid_tiles,
 )  # fmt: skip
 
 STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
 EPI_N, EPI_STAGES = 32, 2  # epilogue: 128 x 32 bf16 sub-tiles through 2 x 8 KB of shared memory
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
-CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
 _NUM_CONSUMER_WARPS = 8
 _EPI_BARRIER = 1  # named barrier of the math warps (0 is __syncthreads)
 
@@ -194,7 +194,7 @@ class GroupedGemmFp8Sm90:
             if warp_idx == _TMA_WARP:
                 self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched)
             if warp_idx == _SCALE_WARP:
-                self.load_scales(mSA, mSB, sSA, sSB, scale_pipe, mOff, num_experts, lane, sched)
+                load_scales(mSA, mSB, sSA, sSB, scale_pipe, self.stages, mOff, num_experts, lane, sched)
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.math(tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts,
@@ -213,8 +213,7 @@ class GroupedGemmFp8Sm90:
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank
+            m_tile, n_tile = tile_coords(tile, n_groups, rank)
             expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
             for k_tile in cutlass.range(k_tiles, unroll=1):
                 ab_pipe.producer_acquire(state)
@@ -225,24 +224,6 @@ class GroupedGemmFp8Sm90:
                 ab_pipe.producer_commit(state)
                 state.advance()
         ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def load_scales(self, mSA, mSB, sSA, sSB, scale_pipe, mOff, num_experts, lane, sched):
-        """Scale warp: per K block, the tile's 128 A scales (16 bytes per lane) and its B scale, by cp.async."""
-        first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank
-            expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
-            gSB = mSB[(expert, None, None)]  # (N blocks, K blocks)
-            for k_tile in cutlass.range(k_tiles, unroll=1):
-                scale_pipe.producer_acquire(state)
-                copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane)
-                # Each lane's arrive fires when its own copies have landed.
-                scale_pipe.producer_commit(state)
-                state.advance()
-        scale_pipe.producer_tail(state)
 
     @cute.jit
     def math(self, tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts, lane,
@@ -269,8 +250,7 @@ class GroupedGemmFp8Sm90:
         scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile = tile // n_groups
-            n_tile = (tile - m_tile * n_groups) * CLUSTER_N + rank
+            m_tile, n_tile = tile_coords(tile, n_groups, rank)
             expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
             # Read now, used by the epilogue: the offsets' latency hides behind the K loop.
             misaligned = (mOff[expert] % TILE_M) | (mOff[expert + 1] % TILE_M)
