@@ -5,16 +5,25 @@ composition (cute_moe.reference on CUDA tensors).
 
     python bench/bench_small_kernels.py [--json PATH]
 
+(``%pad``: the share of the segments' rows that are padding, for the routing of that T.)
+
 permute_quant is timed both ways: ``permute_quant[rows]`` (row_to_token only: the
 row-major kernel, one gather and quantization per routed row) and
 ``permute_quant[tokens]`` (token_to_row given too: the token-major kernel, each
 token row read and quantized once), as fused_moe calls it.
 
+silu_mul_quant is timed both ways too: ``silu_mul_quant`` (expert_offsets only: every
+row of every segment, padding included) and ``silu_mul_quant[counts]`` (align's
+expert_counts given, as fused_moe calls it: the padding rows are neither read nor
+written).
+
 Bytes counted minimally: permute_quant reads x once (T·H·2) and writes the
 routed rows' codes and scales (both ways; the padding rows both kernels zero are
 not counted: about 10% more bytes at T=16384, most of them below); silu_mul_quant
-reads the routed rows of h (2I bf16) and writes their codes and scales; finalize
-and moe_reduce are in bench_finalize.py.
+reads the routed rows of h (2I bf16) and writes their codes and scales (both
+ways: without counts the kernel also moves the padding rows, about 11% more
+bytes at T=16384 and nearly all of them at decode sizes); finalize and
+moe_reduce are in bench_finalize.py.
 """
 from __future__ import annotations
 
@@ -37,7 +46,7 @@ TOKENS = (1, 16, 128, 1024, 4096, 16384)
 def _routing(t: int):
     ids = torch.rand(t, E, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
     offsets, row_to_token, token_to_row, counts = align_ref(ids, E, 128)
-    return offsets, row_to_token, token_to_row, int(counts.sum())
+    return offsets, row_to_token, token_to_row, counts
 
 
 def main() -> None:
@@ -48,10 +57,12 @@ def main() -> None:
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []
     for t in TOKENS:
-        offsets, row_to_token, token_to_row, routed = _routing(t)
+        offsets, row_to_token, token_to_row, counts = _routing(t)
+        routed = int(counts.sum())
         x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16)
         h = torch.randn(row_to_token.shape[0], 2 * INTER, device="cuda", dtype=torch.bfloat16)
         pq_bytes = t * H * 2 + routed * (H + H // 128 * 4)
+        silu_bytes = routed * (2 * INTER * 2 + INTER + INTER // 128 * 4)
         cases = {
             "permute_quant[rows]": (pq_bytes,
                                     lambda: cute_moe.permute_quant(x, row_to_token, offsets),
@@ -60,20 +71,24 @@ def main() -> None:
                                       lambda: cute_moe.permute_quant(x, row_to_token, offsets,
                                                                      token_to_row=token_to_row),
                                       lambda: permute_quant_ref(x, row_to_token, offsets)),
-            "silu_mul_quant": (routed * (2 * INTER * 2 + INTER + INTER // 128 * 4),
+            "silu_mul_quant": (silu_bytes,
                                lambda: cute_moe.silu_mul_quant(h, offsets),
                                lambda: silu_mul_quant_ref(h, offsets)),
+            "silu_mul_quant[counts]": (silu_bytes,
+                                       lambda: cute_moe.silu_mul_quant(h, offsets, expert_counts=counts),
+                                       lambda: silu_mul_quant_ref(h, offsets)),
         }
         for name, (nbytes, ours, plain) in cases.items():
             us = timer.graph_us(ours)
             plain_us = timer.kernel_us(plain, reps=20)  # host syncs inside: events, not a graph
             rows.append({"op": name, "T": t, "us": us, "gbs": nbytes / us / 1e3,
-                         "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us})
+                         "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us,
+                         "padding_pct": 100 * (1 - routed / max(int(offsets[-1]), 1))})
     print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
-    print(f"{'op':>22} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
+    print(f"{'op':>22} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7} {'%pad':>5}")
     for r in rows:
         print(f"{r['op']:>22} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
-              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
+              f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f} {r['padding_pct']:>5.1f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)

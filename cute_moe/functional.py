@@ -223,7 +223,12 @@ def grouped_gemm_fp8(
 
 @_api
 def silu_mul_quant(
-    h: Tensor, expert_offsets: Tensor, *, gate_first: bool = True, scale_fmt: Optional[str] = None
+    h: Tensor,
+    expert_offsets: Tensor,
+    *,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+    expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """SwiGLU ``silu(gate) * up`` in f32, re-quantized to FP8 (1x128 groups).
 
@@ -232,11 +237,16 @@ def silu_mul_quant(
         expert_offsets: ``[E+1]`` int32.
         gate_first: ``True``: gate = ``h[:, :I]``, up = ``h[:, I:]``; ``False``: up first (FlashInfer order).
         scale_fmt: ``None`` or ``"ue8m0"``.
+        expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
+            output); the rest of the segment is padding, which the CUDA kernel then neither reads
+            nor writes (the traffic is the routed rows only).
 
     Returns:
-        ``(a2 [M_cap, I] fp8, a2_scale [M_cap, I/128] f32 MN-major)``; rows ``>= expert_offsets[-1]`` unspecified.
+        ``(a2 [M_cap, I] fp8, a2_scale [M_cap, I/128] f32 MN-major)``; rows ``>= expert_offsets[-1]``
+        unspecified, and with ``expert_counts`` padding rows (``off[e] + counts[e] <= row < off[e+1]``)
+        unspecified too.
     """
-    return _call("silu_mul_quant", h, expert_offsets, gate_first, scale_fmt)
+    return _call("silu_mul_quant", h, expert_offsets, gate_first, scale_fmt, expert_counts)
 
 
 @_api

@@ -395,21 +395,30 @@ def _grouped_gemm_fp8_fake(a: Tensor, a_scale: Tensor, b: Tensor, *_: Any) -> Te
 
 @_custom_op(f"{_NS}::silu_mul_quant", mutates_args=(), device_types="cpu")
 def silu_mul_quant(
-    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+    h: Tensor,
+    expert_offsets: Tensor,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+    expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
-    a2, s = R.silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt)
+    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
+    a2, s = R.silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     return a2.contiguous(), _as_scales(s, True)
 
 
 @silu_mul_quant.register_kernel("cuda")
 def _silu_mul_quant_cuda(
-    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+    h: Tensor,
+    expert_offsets: Tensor,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+    expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt)
+    V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     from cute_moe.kernels.silu_mul_quant import silu_mul_quant_cuda
 
-    return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt)
+    # With expert_counts: padding rows neither read nor written (their codes and scales unspecified).
+    return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
 
 
 @silu_mul_quant.register_fake
@@ -485,7 +494,7 @@ def _moe_from_topk(
     )
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row)
     h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)
-    a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt)
+    a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt, counts)
     y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)
     return call("finalize", y, topk_weights, token_to_row)
 

@@ -343,8 +343,18 @@ def grouped_gemm_fp8_ref(
     return c
 
 
-def silu_mul_quant_ref(h: torch.Tensor, expert_offsets: torch.Tensor, gate_first: bool = True, scale_fmt=None):
-    """SwiGLU then FP8 quant: (a2 fp8 [M_cap, I], a2_scale f32 [M_cap, I/128] MN-major)."""
+def silu_mul_quant_ref(
+    h: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    gate_first: bool = True,
+    scale_fmt=None,
+    expert_counts: "torch.Tensor | None" = None,
+):
+    """SwiGLU then FP8 quant: (a2 fp8 [M_cap, I], a2_scale f32 [M_cap, I/128] MN-major).
+
+    With ``expert_counts``, rows of segment e at or past ``off[e] + counts[e]`` are padding and
+    unspecified (the kernel skips them); this reference computes them as it does without counts,
+    so its output does not depend on ``expert_counts``."""
     _check_scale_fmt(scale_fmt)
     hf = h.float()
     I = hf.shape[1] // 2

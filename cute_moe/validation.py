@@ -470,16 +470,23 @@ def validate_grouped_gemm_fp8(
 
 
 def validate_silu_mul_quant(
-    h: Tensor, expert_offsets: Tensor, gate_first: bool = True, scale_fmt: Optional[str] = None
+    h: Tensor,
+    expert_offsets: Tensor,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+    expert_counts: Optional[Tensor] = None,
 ) -> None:
     op = "silu_mul_quant"
     _tensor(op, "h", h, torch.bfloat16, 2, "[M, 2I]")
     if h.shape[1] % (2 * ACT_GROUP_SIZE) != 0:
         _fail(op, f"h.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {h.shape[1]}")
-    _offsets(op, "expert_offsets", expert_offsets)
+    E = _offsets(op, "expert_offsets", expert_offsets)
     check_bool(op, "gate_first", gate_first)
     check_scale_fmt(op, "scale_fmt", scale_fmt)
-    check_same_device(op, h=h, expert_offsets=expert_offsets)
+    if check_tensor(op, "expert_counts", expert_counts, optional=True):
+        _tensor(op, "expert_counts", expert_counts, torch.int32, 1, "[E]")
+        check_shape(op, "expert_counts", expert_counts, (E,), "[E] (E + 1 = expert_offsets.shape[0])")
+    check_same_device(op, h=h, expert_offsets=expert_offsets, expert_counts=expert_counts)
 
 
 def _check_topk_pair(op: str, weights: Tensor, ids: Tensor, w_name: str, i_name: str, T: Optional[int] = None) -> None:

@@ -50,6 +50,29 @@ def routed_maps(routing: str, num_tokens: int, seed: int):
     return offsets, row_to_token
 
 
+def routed_maps_with_counts(routing: str, num_tokens: int, seed: int, alignment: int = ALIGNMENT):
+    """(expert_offsets [E_local + 1], row_to_token [M_cap], expert_counts [E_local]) for a fresh
+    random routing (the same routing as ``routed_maps`` with the same arguments)."""
+    num_experts, _, expert_offset, local = ROUTINGS[routing]
+    ids = topk_ids(routing, num_tokens, seed)
+    offsets, row_to_token, _, counts = align_ref(ids, num_experts, alignment, expert_offset, local)
+    return offsets, row_to_token, counts
+
+
+def real_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64 indices of the real rows ``[off[e], off[e] + counts[e])`` of every segment, ascending."""
+    off, cnt = offsets.tolist(), counts.tolist()
+    idx = [r for e, c in enumerate(cnt) for r in range(off[e], off[e] + c)]
+    return torch.tensor(idx, dtype=torch.long, device=offsets.device)
+
+
+def padding_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """int64 indices of the padding rows ``[off[e] + counts[e], off[e + 1])`` of every segment."""
+    off, cnt = offsets.tolist(), counts.tolist()
+    idx = [r for e, c in enumerate(cnt) for r in range(off[e] + c, off[e + 1])]
+    return torch.tensor(idx, dtype=torch.long, device=offsets.device)
+
+
 def poison_pools(large_bytes: int) -> None:
     """Fill the caching allocator's free memory with 0xFF (NaN for f32), in both of its pools.
 

@@ -21,6 +21,7 @@ import pytest
 ARCHS = ("sm_90a", "sm_100a")
 MODULES = ("cute_moe.kernels.permute_quant", "cute_moe.kernels.silu_mul_quant")
 ELEMS_PER_THREAD = 4 * 8  # 4 rows x 8 elements of 16 bytes of bf16
+LOOKUP_PER_LANE = 8  # moe_rows.LOOKUP_PER_LANE (not imported: importing it imports cutlass)
 TOKEN_MAJOR = ((8, "none"), (8, "ue8m0"), (20, "none"))  # permute_quant's token-major variants (k, fmt)
 
 _SCRIPT = r"""
@@ -48,8 +49,8 @@ def _report(module: str, arch: str) -> list:
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def _first(opcodes, prefix):
-    return next(i for i, o in enumerate(opcodes) if o.startswith(prefix))
+def _first(opcodes, prefix, after=-1):
+    return next(i for i, o in enumerate(opcodes) if i > after and o.startswith(prefix))
 
 
 def _last(opcodes, prefix):
@@ -132,12 +133,16 @@ def test_silu_mul_quant_sass(arch):
     assert [k["variant"] for k in kernels] == [
         "silu_mul_quant[bfloat16, scale_fmt=none]",
         "silu_mul_quant[bfloat16, scale_fmt=ue8m0]",
+        "silu_mul_quant[bfloat16, scale_fmt=none, expert_counts]",
+        "silu_mul_quant[bfloat16, scale_fmt=ue8m0, expert_counts]",
     ]
-    for k, ue8m0 in zip(kernels, (False, True)):
+    for k, ue8m0 in zip(kernels, (False, True, False, True)):
         counts, ops = k["sass_counts"], k["opcodes"]
         assert counts.get("F2FP", 0) > 0 and counts.get("SHFL", 0) > 0
         assert counts.get("LDGSTS", 0) == 8, "gate and up: 4 rows each, 16 bytes per cp.async"
-        assert _last(ops, "LDGSTS") < _first(ops, "SHFL"), "row loads interleaved with math"
+        assert _last(ops, "LDGSTS") < _first(ops, "SHFL.BFLY", after=_first(ops, "LDGSTS")), (
+            "row loads interleaved with math"
+        )
         # torch's expf (libdevice): FFMA.SAT, FFMA.RM, MUFU.EX2 once per element; the division's
         # MUFU.RCP once per element, plus one per row for the quantizer's 1/scale (not in ue8m0).
         assert _count(ops, "FFMA.SAT") == ELEMS_PER_THREAD
@@ -145,3 +150,18 @@ def test_silu_mul_quant_sass(arch):
         assert _count(ops, "MUFU.EX2") == ELEMS_PER_THREAD
         assert _count(ops, "MUFU.RCP") == ELEMS_PER_THREAD + (0 if ue8m0 else 4)
         assert 0 < k["registers"] <= 48 and k["expected_smem"] == 32768
+    for k in kernels[:2]:  # without counts: expert_offsets[-1] is the only plain load
+        assert k["opcodes"].count("LDG.E") == 1 and _count(k["opcodes"], "SHFL.BFLY") == 4 * 4
+    for k in kernels[2:]:
+        # With counts, every warp looks up its block's segment: off[e], off[e + 1], counts[e] of
+        # 8 segments per lane, all loaded before the warp max (one memory round trip for E <= 256),
+        # then the skip decision (made warp-uniform), and only then the row loads.
+        counts, ops = k["sass_counts"], k["opcodes"]
+        assert ops.count("LDG.E") == 1 + 3 * LOOKUP_PER_LANE
+        max_lookup = _first(ops, "SHFL.BFLY")
+        assert _last(ops, "LDG.E") < max_lookup and _first(ops, "LDGSTS") > _first(ops, "SHFL.IDX") > max_lookup
+        assert _count(ops, "SHFL.BFLY") == 5 + 4 * 4 and _count(ops, "SHFL.IDX") == 1
+        # The quantizer's shuffles sit under the skip branch: ptxas must see it as warp-uniform
+        # (no WARPSYNC / collective fallback around every shuffle).
+        assert "WARPSYNC" not in counts and "ENDCOLLECTIVE" not in counts
+        assert k["registers"] <= 40, "at most 40 registers: 6 CTAs of 256 threads per SM, as shared memory allows"

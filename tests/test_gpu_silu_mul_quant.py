@@ -7,22 +7,31 @@ zero for silu instead of a value under 1.1e-36 -- are common) and routings from
 >= 99.99% (the kernel mirrors torch's f32 silu bit for bit elsewhere, so in
 practice 100%), scales bit-exact, nothing left unwritten (poisoned allocator);
 rows past ``expert_offsets[-1]`` are never touched.
+
+With ``expert_counts`` (align's fourth output) only the real rows
+``[off[e], off[e] + counts[e])`` are specified: they get the same acceptance
+against the reference and must be bit for bit what the kernel writes without
+counts; the padding rows, poisoned before, may stay poisoned (and do, for
+segments of multiples of 128 rows: the kernel neither reads nor writes them).
 """
 import pytest
 import torch
 
 from cute_moe.compiler import arch_of_device
 from cute_moe.kernels.silu_mul_quant import compile_silu_mul_quant, silu_mul_quant_cuda
-from cute_moe.reference import silu_mul_quant_ref
+from cute_moe.reference import align_ref, silu_mul_quant_ref
 
 from .gpu_helpers import code_match_fraction, random_activations
 from .moe_cases import (
     ROUTINGS,
     assert_past_end_untouched,
     assert_rows_match,
+    padding_rows,
     poison_pools,
     poisoned_outputs,
+    real_rows,
     routed_maps,
+    routed_maps_with_counts,
     same_bits,
 )
 
@@ -32,24 +41,43 @@ TOKENS = [1, 7, 128, 4096]
 WIDTHS = [2048, 7168]  # 2I
 
 
-def _check(h, offsets, gate_first, scale_fmt):
+def _check(h, offsets, gate_first, scale_fmt, counts=None):
     m_cap, inter = h.shape[0], h.shape[1] // 2
     poison_pools(m_cap * inter + (64 << 20))
-    a2, s = silu_mul_quant_cuda(h, offsets, gate_first, scale_fmt)
-    assert_rows_match(a2, s, *silu_mul_quant_ref(h, offsets, gate_first, scale_fmt), min(int(offsets[-1]), m_cap))
+    a2, s = silu_mul_quant_cuda(h, offsets, gate_first, scale_fmt, counts)
+    a2_ref, s_ref = silu_mul_quant_ref(h, offsets, gate_first, scale_fmt)
+    if counts is None:
+        assert_rows_match(a2, s, a2_ref, s_ref, min(int(offsets[-1]), m_cap))
+    else:
+        _check_real_rows(h, offsets, gate_first, scale_fmt, counts, a2, s, a2_ref, s_ref)
     return a2, s
 
 
+def _check_real_rows(h, offsets, gate_first, scale_fmt, counts, a2, s, a2_ref, s_ref):
+    """With counts: the real rows against the reference, and bit for bit against the kernel's own
+    output without counts (counts choose rows, never change a value); padding rows not looked at."""
+    m_cap, inter = a2_ref.shape
+    assert a2.shape == (m_cap, inter) and a2.dtype == torch.float8_e4m3fn
+    assert s.shape == (m_cap, inter // 128) and s.stride() == (1, m_cap) and s.dtype == torch.float32
+    rows = real_rows(offsets, counts)
+    codes, scales = a2.view(torch.uint8)[rows], s[rows]
+    assert code_match_fraction(codes, a2_ref.view(torch.uint8)[rows]) >= 0.9999
+    assert same_bits(scales, s_ref[rows]), (scales - s_ref[rows]).abs().max()
+    a2_all, s_all = silu_mul_quant_cuda(h, offsets, gate_first, scale_fmt)
+    assert torch.equal(codes, a2_all.view(torch.uint8)[rows]) and same_bits(scales, s_all[rows])
+
+
+@pytest.mark.parametrize("with_counts", [False, True])
 @pytest.mark.parametrize("routing", list(ROUTINGS))
 @pytest.mark.parametrize("num_tokens", TOKENS)
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("gate_first", [True, False])
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
-def test_silu_mul_quant(routing, num_tokens, width, gate_first, scale_fmt):
+def test_silu_mul_quant(routing, num_tokens, width, gate_first, scale_fmt, with_counts):
     seed = 3000 * num_tokens + width + 2 * gate_first + (scale_fmt is None) + 5 * list(ROUTINGS).index(routing)
-    offsets, row_to_token = routed_maps(routing, num_tokens, seed)
+    offsets, row_to_token, counts = routed_maps_with_counts(routing, num_tokens, seed)
     h = random_activations(row_to_token.shape[0], width, torch.bfloat16, seed=seed)
-    _check(h, offsets, gate_first, scale_fmt)
+    _check(h, offsets, gate_first, scale_fmt, counts if with_counts else None)
 
 
 def _special_halves():
@@ -85,45 +113,101 @@ def test_silu_rows_past_end_untouched():
     m_cap = row_to_token.shape[0]
     h = random_activations(m_cap, 4096, torch.bfloat16, seed=41)
     a2, s = poisoned_outputs(m_cap, 2048)
-    compile_silu_mul_quant(torch.bfloat16, False, arch_of_device(h.device))(h[:, :2048], h[:, 2048:], offsets, a2, s)
+    fn = compile_silu_mul_quant(torch.bfloat16, False, arch_of_device(h.device))
+    fn(h[:, :2048], h[:, 2048:], offsets, offsets, a2, s)  # (expert_counts slot unused: offsets)
     a2 = a2.view(torch.float8_e4m3fn)
     assert_rows_match(a2, s, *silu_mul_quant_ref(h, offsets, True), int(offsets[-1]))
     assert_past_end_untouched(a2, s, int(offsets[-1]))
 
 
-def test_silu_no_rows_and_strided_h():
+@pytest.mark.parametrize(("routing", "num_tokens"), [("skewed", 1), ("skewed", 128), ("skewed", 4096),
+                                                    ("ep_shard", 128), ("ep_shard", 4096)])  # fmt: skip
+def test_silu_counts_skip_padding(routing, num_tokens):
+    """With counts and segments of multiples of 128 rows, the kernel writes no padding row (and
+    none past the end): what the traffic saving rests on.  The contract only leaves them
+    unspecified; this pins the implementation."""
+    offsets, row_to_token, counts = routed_maps_with_counts(routing, num_tokens, seed=48 + num_tokens)
+    m_cap = row_to_token.shape[0]
+    h = random_activations(m_cap, 4096, torch.bfloat16, seed=49)
+    a2, s = poisoned_outputs(m_cap, 2048)
+    fn = compile_silu_mul_quant(torch.bfloat16, False, arch_of_device(h.device), False, True)
+    fn(h[:, :2048], h[:, 2048:], offsets, counts, a2, s)
+    a2 = a2.view(torch.float8_e4m3fn)
+    _check_real_rows(h, offsets, True, None, counts, a2, s, *silu_mul_quant_ref(h, offsets, True))
+    pad = padding_rows(offsets, counts)
+    assert pad.numel() > 0
+    assert bool((a2.view(torch.uint8)[pad] == 0xFF).all()) and bool(s[pad].isnan().all())
+    end = int(offsets[-1])
+    if end < m_cap:
+        assert_past_end_untouched(a2, s, end)
+
+
+@pytest.mark.parametrize("alignment", [1, 8, 64])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_silu_counts_other_alignments(alignment, scale_fmt):
+    """Segments aligned to fewer rows than the GEMM needs: a 64-row block may straddle segment
+    ends and is then processed whole; the real rows are right whatever the alignment."""
+    offsets, row_to_token, counts = routed_maps_with_counts("ragged", 300, seed=50 + alignment, alignment=alignment)
+    h = random_activations(row_to_token.shape[0], 2048, torch.bfloat16, seed=51)
+    _check(h, offsets, True, scale_fmt, counts)
+
+
+@pytest.mark.parametrize("num_experts", [256, 257, 600])
+def test_silu_counts_many_experts(num_experts):
+    """The per-warp segment lookup takes 256 segments per round of loads: one round, one segment
+    more, three rounds (experts past 256 are found in the later rounds)."""
+    g = torch.Generator(device="cuda").manual_seed(52)
+    ids = torch.rand(512, num_experts, generator=g, device="cuda").argsort(dim=1)[:, :8].to(torch.int32)
+    offsets, row_to_token, _, counts = align_ref(ids, num_experts, 128)
+    h = random_activations(row_to_token.shape[0], 1024, torch.bfloat16, seed=53)
+    _check(h, offsets, True, None, counts)
+
+
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_silu_no_rows_and_strided_h(with_counts):
+    counts = torch.zeros(2, dtype=torch.int32, device="cuda") if with_counts else None
     a2, s = silu_mul_quant_cuda(torch.empty(0, 512, dtype=torch.bfloat16, device="cuda"),
-                                torch.zeros(3, dtype=torch.int32, device="cuda"), True, None)
+                                torch.zeros(3, dtype=torch.int32, device="cuda"), True, None, counts)
     assert a2.shape == (0, 256) and s.shape == (0, 2)
     base = random_activations(200, 1024 + 256, torch.bfloat16, seed=42)
     offsets = torch.tensor([0, 128, 128, 192], dtype=torch.int32, device="cuda")
-    _check(base[:, :1024], offsets, False, "ue8m0")
+    counts = torch.tensor([100, 0, 37], dtype=torch.int32, device="cuda") if with_counts else None
+    _check(base[:, :1024], offsets, False, "ue8m0", counts)
 
 
-def test_silu_fp16():
-    offsets, row_to_token = routed_maps("ragged", 64, seed=43)
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_silu_fp16(with_counts):
+    offsets, row_to_token, counts = routed_maps_with_counts("ragged", 64, seed=43)
     h = random_activations(row_to_token.shape[0], 2048, torch.float16, seed=43)
-    _check(h, offsets, True, None)
+    _check(h, offsets, True, None, counts if with_counts else None)
 
 
-def test_silu_cuda_graph_new_offsets():
-    """expert_offsets[-1] is read on the device: a captured graph follows new routings."""
-    offsets, row_to_token = routed_maps("skewed", 256, seed=44)
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_silu_cuda_graph_new_offsets(with_counts):
+    """expert_offsets (and expert_counts) are read on the device: a captured graph follows new routings."""
+    offsets, row_to_token, counts = routed_maps_with_counts("skewed", 256, seed=44)
+    counts = counts if with_counts else None
     h = random_activations(row_to_token.shape[0], 4096, torch.bfloat16, seed=44)
-    silu_mul_quant_cuda(h, offsets, True, None)  # compile before capture
+    silu_mul_quant_cuda(h, offsets, True, None, counts)  # compile before capture
+    silu_mul_quant_cuda(h, offsets, True, None)  # (the reference run of _check_real_rows too)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        a2, s = silu_mul_quant_cuda(h, offsets, True, None)
+        a2, s = silu_mul_quant_cuda(h, offsets, True, None, counts)
     for seed in (45, 46):
-        new_offsets, _ = routed_maps("skewed", 256, seed=seed)
+        new_offsets, _, new_counts = routed_maps_with_counts("skewed", 256, seed=seed)
         offsets.copy_(new_offsets)
+        if counts is not None:
+            counts.copy_(new_counts)
         h.copy_(random_activations(h.shape[0], 4096, torch.bfloat16, seed=seed))
         a2.view(torch.uint8).fill_(0xFF)
         s.fill_(float("nan"))
         graph.replay()
         a2_ref, s_ref = silu_mul_quant_ref(h, offsets, True)
-        end = int(offsets[-1])
-        assert code_match_fraction(a2[:end], a2_ref[:end]) == 1.0 and same_bits(s[:end], s_ref[:end])
+        if counts is None:
+            end = int(offsets[-1])
+            assert code_match_fraction(a2[:end], a2_ref[:end]) == 1.0 and same_bits(s[:end], s_ref[:end])
+        else:
+            _check_real_rows(h, offsets, True, None, counts, a2, s, a2_ref, s_ref)
 
 
 def test_silu_rejects_misaligned_rows():

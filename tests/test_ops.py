@@ -91,10 +91,11 @@ def gemm(T, N=264, E=3, with_counts=False) -> Case:
     return build
 
 
-def silu(T, **kw) -> Case:
+def silu(T, with_counts=False, **kw) -> Case:
     def build(rnd):
-        _, (off, r2t, _, _) = _align(rnd, T, 2, 4)
-        return "silu_mul_quant", (rnd.randn(r2t.shape[0], 2 * I, scale=4.0), off), kw
+        _, (off, r2t, _, counts) = _align(rnd, T, 2, 4)
+        kwargs = {**kw, "expert_counts": counts} if with_counts else kw
+        return "silu_mul_quant", (rnd.randn(r2t.shape[0], 2 * I, scale=4.0), off), kwargs
 
     return build
 
@@ -193,6 +194,9 @@ CASES: dict[str, Case] = {
     "silu_mul_quant": silu(5),
     "silu_mul_quant-upfirst-ue8m0": silu(3, gate_first=False, scale_fmt="ue8m0"),
     "silu_mul_quant-T0": silu(0),
+    "silu_mul_quant-counts": silu(5, with_counts=True),
+    "silu_mul_quant-counts-upfirst-ue8m0": silu(4, with_counts=True, gate_first=False, scale_fmt="ue8m0"),
+    "silu_mul_quant-counts-T0": silu(0, with_counts=True),
     "finalize": finalize(6),
     "finalize-T0": finalize(0),
     "moe_reduce-bf16": moe_reduce(5),

@@ -536,6 +536,26 @@ def test_silu_mul_quant_vs_naive(gate_first, scale_fmt):
             torch.testing.assert_close(y.double(), torch.tensor(exact, dtype=torch.float64), rtol=1e-6, atol=1e-12)
 
 
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+def test_silu_mul_quant_counts(scale_fmt):
+    # With align's expert_counts the padding rows (off[e] + counts[e] <= r < off[e+1]) are
+    # unspecified; the reference computes every row as without counts (its output does not
+    # depend on them), and the real rows are the naive SwiGLU + quant of their h rows.
+    off, r2t, _, counts = routed_layout(T=7, k=3, E=5, alignment=4, seed=32)
+    M, I = r2t.shape[0], 128
+    h = randn(M, 2 * I, seed=33, dtype=torch.bfloat16, scale=3.0)
+    a2, s = R.silu_mul_quant_ref(h, off, True, scale_fmt, counts)
+    a2_plain, s_plain = R.silu_mul_quant_ref(h, off, True, scale_fmt)
+    assert codes_of(a2) == codes_of(a2_plain) and torch.equal(s, s_plain) and mn_major(s)
+    real = [r for e in range(5) for r in range(off[e].item(), off[e].item() + counts[e].item())]
+    assert len(real) == 7 * 3 and all(r2t[r] >= 0 for r in real)
+    codes = codes_of(a2)
+    for r in real:
+        row = h[r].float()
+        y = F.silu(row[:I]) * row[I:]
+        assert (codes[r], s[r].tolist()) == naive_quant_row(y.tolist(), 128, scale_fmt), r
+
+
 # ----------------------------------------------------------------------------- finalize / moe_reduce
 
 

@@ -30,7 +30,7 @@ def _r(*shape: int, dtype: torch.dtype = BF16) -> torch.Tensor:
 def _good(op: str) -> dict[str, Any]:
     """Valid keyword arguments for ``op`` (small, random)."""
     ids = torch.randperm(8)[: 2 * T].reshape(T, 2).to(I32)
-    off, r2t, t2r, _ = R.align_ref(ids, 8, 8)
+    off, r2t, t2r, counts = R.align_ref(ids, 8, 8)
     M = r2t.shape[0]
     if op == "quant_fp8":
         return {"x": _r(T, K)}
@@ -52,7 +52,7 @@ def _good(op: str) -> dict[str, Any]:
             "expert_offsets": off3,
         }
     if op == "silu_mul_quant":
-        return {"h": _r(M, 2 * I), "expert_offsets": off}
+        return {"h": _r(M, 2 * I), "expert_offsets": off, "expert_counts": counts}
     if op == "finalize":
         return {"y": _r(M, H), "topk_weights": torch.rand(T, 2), "token_to_row": t2r}
     if op == "moe_reduce":
@@ -235,6 +235,14 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"expert_offsets": g["expert_offsets"].float()}, TypeError, r"expert_offsets must be int32"),
         (lambda g: {"gate_first": "yes"}, TypeError, r"argument 'gate_first'"),
         (lambda g: {"scale_fmt": "fp32"}, ValueError, r"scale_fmt must be one of"),
+        (lambda g: {"expert_counts": g["expert_counts"].long()}, TypeError, r"expert_counts must be int32"),
+        (
+            lambda g: {"expert_counts": g["expert_counts"][:-1]},
+            ValueError,
+            r"expert_counts must have shape \[E\] \(E \+ 1 = expert_offsets\.shape\[0\]\) = \[8\], got \[7\]",
+        ),
+        (lambda g: {"expert_counts": g["expert_counts"][None]}, ValueError, r"expert_counts must be 1-D \[E\]"),
+        (lambda g: {"expert_counts": [1] * 8}, TypeError, r"argument 'expert_counts'"),
     ],
     "finalize": [
         (lambda g: {"y": g["y"].float()}, TypeError, r"y must be bfloat16, got torch\.float32"),

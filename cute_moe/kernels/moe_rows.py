@@ -8,6 +8,9 @@
 * ``rows_end``: the first row past the last expert segment, read on the device
   from ``expert_offsets[-1]`` (clamped to the buffer's ``M_cap`` rows), so the
   host never synchronises and the grid is sized from the static ``M_cap``.
+* ``real_rows_end``: with ``align``'s ``expert_counts``, the end of the real
+  (routed) rows of the segment holding a block of rows, found by one warp in one
+  round of loads (see its docstring): rows of the block at or past it are padding.
 """
 from __future__ import annotations
 
@@ -22,6 +25,10 @@ from .host_checks import check_rows_16b
 
 GROUP = 128
 MAX_GRID_Y = 65535
+# real_rows_end: segments each lane looks at per round of loads (32 lanes x 8 = 256 = DeepSeek-V3's E,
+# so one round at every E <= 256; larger E loops).
+LOOKUP_PER_LANE = 8
+_INT32_MAX = 2**31 - 1
 
 
 class RowGroupKernel:
@@ -89,6 +96,70 @@ def rows_end(mOff: cute.Tensor, num_rows) -> Int32:
     if end > num_rows:
         end = num_rows
     return end
+
+
+@cute.jit
+def real_rows_end(mOff: cute.Tensor, mCnt: cute.Tensor, first_row: Int32, last_row: Int32, end: Int32) -> Int32:
+    """With ``align``'s counts: the rows of the block ``[first_row, last_row]`` to process are those
+    below the returned bound (``<= end``); the rest are padding.
+
+    The segment ``e`` with ``off[e] <= first_row < off[e + 1]`` holds the block when also
+    ``last_row < off[e + 1]`` (always so when segments are multiples of 128 rows and the block's
+    rows divide 128): the bound is ``off[e] + min(counts[e], off[e + 1] - off[e])``.  A block that
+    straddles segment ends (a routing aligned to fewer rows) gets ``end``: every row processed, as
+    without counts.  No segment holds ``first_row`` (rows before ``off[0]``): 0, nothing processed.
+
+    Each lane loads ``off[e]``, ``off[e + 1]`` and ``counts[e]`` of ``LOOKUP_PER_LANE`` segments
+    ``e = base + 32 j + lane``, all issued before the first compare (one memory round trip for E
+    up to 256), and the matching lane's bound is a warp max.  Every lane of the warp must call it;
+    the result is warp-uniform.  It reads nothing out of bounds, whatever the data.
+    """
+    lane = cute.arch.lane_idx()
+    num_experts = mOff.shape[0] - 1
+    bound = Int32(0)
+    for base in cutlass.range(0, num_experts, 32 * LOOKUP_PER_LANE, unroll=1):
+        lo = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
+        hi = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
+        cnt = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
+        for j in cutlass.range_constexpr(LOOKUP_PER_LANE):
+            e = base + j * 32 + lane
+            lo[j] = Int32(_INT32_MAX)  # a segment past E matches no row
+            hi[j] = Int32(0)
+            cnt[j] = Int32(0)
+            if e < num_experts:
+                lo[j] = mOff[e]
+                hi[j] = mOff[e + 1]
+                cnt[j] = mCnt[e]
+        for j in cutlass.range_constexpr(LOOKUP_PER_LANE):
+            if lo[j] <= first_row:
+                if first_row < hi[j]:
+                    seg = lo[j] + min(cnt[j], hi[j] - lo[j])
+                    if last_row >= hi[j]:
+                        seg = end  # the block straddles segments: process every row
+                    bound = max(bound, seg)
+    bound = cute.arch.warp_reduction(bound, lambda a, b: cutlass.max(a, b))
+    return min(bound, end)
+
+
+def processed_rows(offsets: list[int], counts: list[int] | None, m_cap: int, rows_per_cta: int) -> list[int]:
+    """The rows a ``RowGroupKernel`` kernel loads and stores, ascending: the executable model of
+    ``rows_end`` and ``real_rows_end`` and of the block loop (tested on the CPU).  Without counts,
+    every row below ``end = min(off[-1], m_cap)``; with counts, per block of ``rows_per_cta`` rows,
+    those below ``real_rows_end``'s bound."""
+    end = max(min(offsets[-1], m_cap), 0)
+    if counts is None:
+        return list(range(end))
+    rows = []
+    for first in range(0, end, rows_per_cta):
+        last = min(first + rows_per_cta, end) - 1
+        bound = 0
+        for e in range(len(counts)):
+            lo, hi = offsets[e], offsets[e + 1]
+            if lo <= first < hi:
+                seg = end if last >= hi else lo + min(counts[e], hi - lo)
+                bound = max(bound, seg)
+        rows += range(first, min(max(bound, first), end, first + rows_per_cta))
+    return rows
 
 
 def checked_outputs(op: str, name: str, src: torch.Tensor, reason, rows: int, cols: int):
