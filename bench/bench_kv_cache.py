@@ -65,19 +65,23 @@ def main() -> None:
         print(f"{r['config']:<28} {r['workload']:<14} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['amortized_us']:>9.2f} {r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f}")
     if args.sweep:
-        print("\nsweep of tokens per warp (kernel module called directly; decode: amortized us, prefill: us / %copy):")
+        print("\nsweep (kernel module called directly): tokens per warp b, warps per CTA w, small-batch variant s; "
+              "decode: amortized us, prefill: us / %copy")
+        knobs = {"decode B=64": [(1, 4, True), (1, 4, False)],
+                 "prefill 65536": [(b, w, False) for b in (1, 2, 4) for w in (4, 8)]}
         for cname, (heads, dim, with_v) in CONFIGS.items():
-            for wname in ("decode B=64", "prefill 65536"):
+            for wname, settings in knobs.items():
                 q_lens, hist = WORKLOADS[wname]
                 case = make_kv_case(q_lens, hist, heads, dim, with_v=with_v, block_size=64)
                 sides = 2 if with_v else 1
                 nbytes = sides * sum(q_lens) * heads * (dim * 2 + dim + dim // 128 * 4)
                 cells = []
-                for b in (1, 2, 4, 8):
-                    def call(b=b):
-                        fill_kv_cache_fp8_cuda(*case.args(), 128, None, "bshd", max_tokens_per_warp=b)
+                for b, w, small in settings:
+                    def call(b=b, w=w, small=small):
+                        fill_kv_cache_fp8_cuda(*case.args(), 128, None, "bshd", max_tokens_per_warp=b,
+                                               small_batch=small, warps_per_cta=w)
                     us = timer.graph_amortized_us(call) if sum(q_lens) < 1024 else timer.graph_us(call)
-                    cells.append(f"{b}: {us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.0f}%")
+                    cells.append(f"b{b}w{w}{'s' if small else ''}: {us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.0f}%")
                 print(f"  {cname:<28} {wname:<14} " + "  ".join(cells))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

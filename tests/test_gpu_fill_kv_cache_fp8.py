@@ -37,6 +37,9 @@ SCENARIOS = {
     "decode_b512": ([1] * 512, [int(i * 53 % 3000) for i in range(512)]),
     "prefill_with_history": ([4096, 1000, 1], [0, 300, 77]),
     "mixed": ([1, 17, 1, 300, 64, 1, 2, 129], [5, 0, 640, 63, 64, 1, 1000, 3]),
+    # the small-batch variant guesses token t's sequence as t: right up to the first 0 or 2,
+    # wrong after it (the look-up by counting then decides)
+    "decode_guess_misses": ([1] * 40 + [0, 2] + [1] * 60 + [0] * 3 + [1] * 30, [int(i * 41 % 900) for i in range(135)]),
 }
 
 

@@ -48,11 +48,15 @@ from .fp8_group import lanes_per_group, quantize_group_fp8
 from .host_checks import check_rows_16b, debug_check_index_range
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_WARPS_PER_CTA = 4
+_WARPS_PER_CTA = 4  # default; the launcher may override (benchmark sweeps)
 _BYTES_IN_FLIGHT_PER_LANE = 128  # a warp batches tokens until its lanes' loads reach this
 # Below this many tokens a warp takes one token (more warps for a small batch: decode);
 # above it, as many as _BYTES_IN_FLIGHT_PER_LANE allows (amortising the destination look-up).
 _SMALL_BATCH_TOKENS = 4096
+# Sequences per lane per round of the sequence look-up (loads issued together): 4 in the
+# small-batch variant (B = 64..128 decode sequences in one round trip), 1 otherwise (registers).
+_LOOKUP_PER_LANE = {True: 4, False: 1}
+_INT32_MAX = 2**31 - 1
 
 
 class FillKvCacheFp8Kernel:
@@ -64,9 +68,10 @@ class FillKvCacheFp8Kernel:
 
     def __init__(
         self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
-        max_tokens_per_warp: int = 8,
+        max_tokens_per_warp: int = 8, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
     ):  # fmt: skip
         self.dtype = dtype
+        self.warps_per_cta = warps_per_cta
         self.heads = heads
         self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
         self.group_size = group_size
@@ -80,7 +85,13 @@ class FillKvCacheFp8Kernel:
         # K+V): the V loads then overlap the destination look-up too, which decode needs.
         # Otherwise K's, then V's, which keeps registers (and so occupancy) in check.
         self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= _BYTES_IN_FLIGHT_PER_LANE
-        self.tokens_per_cta = self.tokens_per_warp * _WARPS_PER_CTA
+        # A small batch (decode) has too few tokens to fill the GPU: K and V of a token then go to
+        # two warps (one round of loads each instead of K's, then V's), and the token's sequence is
+        # first guessed as its own index (right when every sequence has one new token).
+        self.small_batch = small_batch
+        self.split_sides = small_batch and len(side_bytes) == 2 and not self.sides_together and self.tokens_per_warp == 1
+        self.warps_per_token = 2 if self.split_sides else 1
+        self.tokens_per_cta = self.tokens_per_warp * warps_per_cta // self.warps_per_token
 
     def passes(self, head_dim: int) -> int:
         """Warp passes over one token's heads * head_dim / G groups."""
@@ -104,7 +115,7 @@ class FillKvCacheFp8Kernel:
             mVC = cute.make_tensor(cute.recast_ptr(mVC.iterator, dtype=cutlass.Float8E4M3FN), mVC.layout)
         self.kernel(mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk).launch(
             grid=[cute.ceil_div(mK.shape[0], self.tokens_per_cta), 1, 1],
-            block=[32 * _WARPS_PER_CTA, 1, 1],
+            block=[32 * self.warps_per_cta, 1, 1],
             stream=stream,
         )
 
@@ -113,11 +124,22 @@ class FillKvCacheFp8Kernel:
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
-        first_token = bidx * self.tokens_per_cta + (tidx // 32) * self.tokens_per_warp
+        warp = tidx // 32
+        first_token = bidx * self.tokens_per_cta + (warp // self.warps_per_token) * self.tokens_per_warp
         sides = [(mK, mKC, mKS, self.head_dims[0])]
         if cutlass.const_expr(len(self.head_dims) == 2):
             sides.append((mV, mVC, mVS, self.head_dims[1]))
+        if cutlass.const_expr(self.split_sides):
+            if warp % 2 == 0:
+                self.fill(sides[:1], mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
+            else:
+                self.fill(sides[1:], mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
+        else:
+            self.fill(sides, mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
 
+    @cute.jit
+    def fill(self, sides: list, num_tokens, mCu, mKvLen, mBlk, mKC, first_token, lane):
+        """Quantize ``sides`` ((states, codes, scales, head_dim) of K and/or V) of the warp's tokens."""
         # K, then V: all of a side's loads for the warp's tokens are issued first. The first
         # side's loads depend on the token index only, so they are in flight while the warp
         # works out where its tokens go. Loads are never predicated: a token past the end
@@ -135,13 +157,13 @@ class FillKvCacheFp8Kernel:
                 for w in cutlass.range_constexpr(self.tokens_per_warp):
                     for p in cutlass.range_constexpr(self.passes(head_dim)):
                         head, group, _ = self.unit(p, head_dim, lane)
-                        token = cutlass.min(first_token + w, mK.shape[0] - 1)
+                        token = cutlass.min(first_token + w, num_tokens - 1)
                         chunk = group * self.lanes + lane % self.lanes
                         rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
                         cute.copy(load, cute.local_tile(mX[token, head, None], (self.elems_per_lane,), (chunk,)), rX)
                         loaded.append(rX)
             if cutlass.const_expr(blocks is None):
-                blocks, slots = self.destinations(mCu, mKvLen, mBlk, mKC, mK.shape[0], first_token, lane)
+                blocks, slots = self.destinations(mCu, mKvLen, mBlk, mKC, num_tokens, first_token, lane)
             i = 0
             for _, mC, mS, head_dim in batch:
                 for w in cutlass.range_constexpr(self.tokens_per_warp):
@@ -182,23 +204,49 @@ class FillKvCacheFp8Kernel:
         counts.fill(0)
         found = cute.make_rmem_tensor((self.tokens_per_warp, 3), Int32)
         found.fill(0)
-        for i in range(lane, num_seqs, 32):
-            q_start, q_end, kv_len = mCu[i], mCu[i + 1], mKvLen[i]
-            for w in cutlass.range_constexpr(self.tokens_per_warp):
-                token = first_token + w
-                if q_end <= token:
-                    counts[w] = counts[w] + 1
-                if q_start <= token and token < q_end:
-                    found[w, 0], found[w, 1], found[w, 2] = q_start, q_end, kv_len
+        hit = Int32(0)
+        if cutlass.const_expr(self.small_batch and self.tokens_per_warp == 1):
+            # Guess: the token is the first of sequence min(token, B - 1). When the guess holds,
+            # it is what the count gives for ordered cu_seqlens_q (the ends before it are <= token,
+            # the rest > token), and a round trip per 32 sequences is saved.
+            guess = cutlass.max(cutlass.min(first_token, num_seqs - 1), 0)
+            if num_seqs > 0:
+                q_start, q_end, kv_len = mCu[guess], mCu[guess + 1], mKvLen[guess]
+                if q_start <= first_token and first_token < q_end:
+                    hit = Int32(1)
+                    found[0, 0], found[0, 1], found[0, 2] = q_start, q_end, kv_len
+                    counts[0] = guess
+        if hit == 0:
+            # Each lane loads the bounds of `per_lane` sequences per round, all issued before the
+            # first compare.
+            per_lane = _LOOKUP_PER_LANE[self.small_batch]
+            for base in cutlass.range(0, num_seqs, 32 * per_lane, unroll=1):
+                lo = cute.make_rmem_tensor((per_lane,), Int32)
+                hi = cute.make_rmem_tensor((per_lane,), Int32)
+                kv = cute.make_rmem_tensor((per_lane,), Int32)
+                for j in cutlass.range_constexpr(per_lane):
+                    i = base + j * 32 + lane
+                    lo[j], hi[j], kv[j] = Int32(_INT32_MAX), Int32(_INT32_MAX), Int32(0)  # past B: counts nothing
+                    if i < num_seqs:
+                        lo[j], hi[j], kv[j] = mCu[i], mCu[i + 1], mKvLen[i]
+                for j in cutlass.range_constexpr(per_lane):
+                    for w in cutlass.range_constexpr(self.tokens_per_warp):
+                        token = first_token + w
+                        if hi[j] <= token:
+                            counts[w] = counts[w] + 1
+                        if lo[j] <= token and token < hi[j]:
+                            found[w, 0], found[w, 1], found[w, 2] = lo[j], hi[j], kv[j]
         blocks, slots = [], []
         block_size = mKC.shape[1]
         for w in cutlass.range_constexpr(self.tokens_per_warp):
             token = first_token + w
-            seq = cute.arch.warp_reduction_sum(counts[w])
-            owner = seq % 32
-            q_start = cute.arch.shuffle_sync(found[w, 0], owner)
-            q_end = cute.arch.shuffle_sync(found[w, 1], owner)
-            kv_len = cute.arch.shuffle_sync(found[w, 2], owner)
+            seq, q_start, q_end, kv_len = counts[w], found[w, 0], found[w, 1], found[w, 2]
+            if hit == 0:
+                seq = cute.arch.warp_reduction_sum(counts[w])
+                owner = seq % 32
+                q_start = cute.arch.shuffle_sync(found[w, 0], owner)
+                q_end = cute.arch.shuffle_sync(found[w, 1], owner)
+                kv_len = cute.arch.shuffle_sync(found[w, 2], owner)
             block, slot = Int32(-1), Int32(0)
             if token < num_tokens and seq < num_seqs:
                 pos = kv_len - (q_end - q_start) + (token - q_start)
@@ -246,10 +294,12 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 @cached_compile
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
-    keep_cubin: bool = False, max_tokens_per_warp: int = 8,
+    keep_cubin: bool = False, max_tokens_per_warp: int = 8, small_batch: bool = False,
+    warps_per_cta: int = _WARPS_PER_CTA,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
-    (``contiguous``: None, or (layout, block_size) for the static-stride variant)."""
+    (``contiguous``: None, or (layout, block_size) for the static-stride variant; ``small_batch``:
+    the decode variant, for fewer than _SMALL_BATCH_TOKENS tokens)."""
     cdtype = torch_to_cutlass_dtype(dtype)
     num_tokens, batch = cute.sym_int(), cute.sym_int()
     k_side = _fake_side(cdtype, head_dim, group_size, num_tokens, heads, contiguous)
@@ -260,7 +310,8 @@ def compile_fill_kv_cache_fp8(
     cu = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
-    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, max_tokens_per_warp)
+    kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, max_tokens_per_warp,
+                                  small_batch, warps_per_cta)  # fmt: skip
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -271,10 +322,10 @@ def _as_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
 def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
-    max_tokens_per_warp: int | None = None,
+    max_tokens_per_warp: int | None = None, small_batch: bool | None = None, warps_per_cta: int = _WARPS_PER_CTA,
 ) -> None:  # fmt: skip
     """Launch on the states' device and current stream; inputs already validated by the op layer.
-    ``max_tokens_per_warp`` overrides the batch-size heuristic (for benchmarks)."""
+    ``max_tokens_per_warp``, ``small_batch`` and ``warps_per_cta`` override the defaults (benchmarks)."""
     head_dim_v = None if v_states is None else v_states.shape[2]
     reason = FillKvCacheFp8Kernel.can_implement(k_states.dtype, k_states.shape[2], head_dim_v, group_size)
     if reason is not None:
@@ -297,10 +348,12 @@ def fill_kv_cache_fp8_cuda(
     for _, states, cache, scales in sides:
         if not (cache.is_contiguous() and scales.is_contiguous() and states.stride(1) == states.shape[2]):
             contiguous = None
+    if small_batch is None:
+        small_batch = k_states.shape[0] < _SMALL_BATCH_TOKENS
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
-        contiguous, arch_of_device(k_states.device), False,
-        max_tokens_per_warp or (1 if k_states.shape[0] < _SMALL_BATCH_TOKENS else 8),
+        contiguous, arch_of_device(k_states.device), False, max_tokens_per_warp or (1 if small_batch else 8),
+        small_batch, warps_per_cta,
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 
@@ -310,14 +363,18 @@ def inspect_variants(arch: str):
     return [
         (
             f"fill_kv_cache_fp8[bfloat16, H_kv={h}, D={d}, Dv={dv}, group={g}, scale_fmt={fmt}, "
-            f"{'any strides' if contiguous is None else 'contiguous %s, block %d' % contiguous}]",
-            compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", contiguous, arch, True),
+            f"{'any strides' if contiguous is None else 'contiguous %s, block %d' % contiguous}"
+            f"{', small batch' if small else ''}]",
+            compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", contiguous, arch, True,
+                                      1 if small else 8, small),  # fmt: skip
             0,
         )
-        for h, d, dv, g, fmt, contiguous in [
-            (8, 128, 128, 128, "none", ("bshd", 64)),
-            (8, 128, 128, 128, "ue8m0", ("bhsd", 64)),
-            (1, 512, None, 128, "none", ("bshd", 64)),
-            (8, 128, 128, 128, "none", None),
+        for h, d, dv, g, fmt, contiguous, small in [
+            (8, 128, 128, 128, "none", ("bshd", 64), False),
+            (8, 128, 128, 128, "ue8m0", ("bhsd", 64), False),
+            (1, 512, None, 128, "none", ("bshd", 64), False),
+            (8, 128, 128, 128, "none", None, False),
+            (8, 128, 128, 128, "none", ("bshd", 64), True),
+            (1, 512, None, 128, "none", ("bshd", 64), True),
         ]
     ]
