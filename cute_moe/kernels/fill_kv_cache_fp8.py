@@ -56,6 +56,7 @@ _SMALL_BATCH_TOKENS = 4096
 # Sequences per lane per round of the sequence look-up (loads issued together): 4 in the
 # small-batch variant (B = 64..128 decode sequences in one round trip), 1 otherwise (registers).
 _LOOKUP_PER_LANE = {True: 4, False: 1}
+_MAX_WARPS_PER_TOKEN, _MIN_PASSES_PER_WARP = 4, 2  # small-batch variant: a token's passes over warps
 _INT32_MAX = 2**31 - 1
 
 
@@ -71,7 +72,6 @@ class FillKvCacheFp8Kernel:
         max_tokens_per_warp: int = 8, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
     ):  # fmt: skip
         self.dtype = dtype
-        self.warps_per_cta = warps_per_cta
         self.heads = heads
         self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
         self.group_size = group_size
@@ -85,13 +85,20 @@ class FillKvCacheFp8Kernel:
         # K+V): the V loads then overlap the destination look-up too, which decode needs.
         # Otherwise K's, then V's, which keeps registers (and so occupancy) in check.
         self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= _BYTES_IN_FLIGHT_PER_LANE
-        # A small batch (decode) has too few tokens to fill the GPU: K and V of a token then go to
-        # two warps (one round of loads each instead of K's, then V's), and the token's sequence is
+        # A warp's work for a token: its "part", a tuple of (side, first pass, end pass). A small
+        # batch (decode) has too few tokens to fill the GPU, and a token's serial math on one warp
+        # is then what the step waits for: the token's passes go to up to _MAX_WARPS_PER_TOKEN
+        # warps of at least _MIN_PASSES_PER_WARP passes each. There the token's sequence is also
         # first guessed as its own index (right when every sequence has one new token).
         self.small_batch = small_batch
-        self.split_sides = small_batch and len(side_bytes) == 2 and not self.sides_together and self.tokens_per_warp == 1
-        self.warps_per_token = 2 if self.split_sides else 1
-        self.tokens_per_cta = self.tokens_per_warp * warps_per_cta // self.warps_per_token
+        passes = [self.passes(d) for d in self.head_dims]
+        if small_batch and self.tokens_per_warp == 1:
+            chunk = max(_MIN_PASSES_PER_WARP, -(-sum(passes) // _MAX_WARPS_PER_TOKEN))
+            self.parts = [((side, p0, min(p0 + chunk, n)),) for side, n in enumerate(passes) for p0 in range(0, n, chunk)]
+        else:
+            self.parts = [tuple((side, 0, n) for side, n in enumerate(passes))]
+        self.cta_warps = max(1, warps_per_cta // len(self.parts)) * len(self.parts)
+        self.tokens_per_cta = self.tokens_per_warp * self.cta_warps // len(self.parts)
 
     def passes(self, head_dim: int) -> int:
         """Warp passes over one token's heads * head_dim / G groups."""
@@ -115,7 +122,7 @@ class FillKvCacheFp8Kernel:
             mVC = cute.make_tensor(cute.recast_ptr(mVC.iterator, dtype=cutlass.Float8E4M3FN), mVC.layout)
         self.kernel(mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk).launch(
             grid=[cute.ceil_div(mK.shape[0], self.tokens_per_cta), 1, 1],
-            block=[32 * self.warps_per_cta, 1, 1],
+            block=[32 * self.cta_warps, 1, 1],
             stream=stream,
         )
 
@@ -125,21 +132,21 @@ class FillKvCacheFp8Kernel:
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = tidx // 32
-        first_token = bidx * self.tokens_per_cta + (warp // self.warps_per_token) * self.tokens_per_warp
-        sides = [(mK, mKC, mKS, self.head_dims[0])]
+        first_token = bidx * self.tokens_per_cta + (warp // len(self.parts)) * self.tokens_per_warp
+        sides = [(mK, mKC, mKS)]
         if cutlass.const_expr(len(self.head_dims) == 2):
-            sides.append((mV, mVC, mVS, self.head_dims[1]))
-        if cutlass.const_expr(self.split_sides):
-            if warp % 2 == 0:
-                self.fill(sides[:1], mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
-            else:
-                self.fill(sides[1:], mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
+            sides.append((mV, mVC, mVS))
+        if cutlass.const_expr(len(self.parts) == 1):
+            self.fill(self.parts[0], sides, mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
         else:
-            self.fill(sides, mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
+            for i in cutlass.range_constexpr(len(self.parts)):
+                if warp % len(self.parts) == i:
+                    self.fill(self.parts[i], sides, mK.shape[0], mCu, mKvLen, mBlk, mKC, first_token, lane)
 
     @cute.jit
-    def fill(self, sides: list, num_tokens, mCu, mKvLen, mBlk, mKC, first_token, lane):
-        """Quantize ``sides`` ((states, codes, scales, head_dim) of K and/or V) of the warp's tokens."""
+    def fill(self, part: cutlass.Constexpr, sides: list, num_tokens, mCu, mKvLen, mBlk, mKC, first_token, lane):
+        """Quantize the passes of ``part`` ((side, first pass, end pass), ...) of the warp's tokens;
+        ``sides``: (states, codes, scales) of K and V."""
         # K, then V: all of a side's loads for the warp's tokens are issued first. The first
         # side's loads depend on the token index only, so they are in flight while the warp
         # works out where its tokens go. Loads are never predicated: a token past the end
@@ -150,12 +157,13 @@ class FillKvCacheFp8Kernel:
             cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
         )
         blocks, slots = None, None
-        batches = [sides] if cutlass.const_expr(self.sides_together) else [[side] for side in sides]
+        batches = [part] if cutlass.const_expr(self.sides_together) else [[piece] for piece in part]
         for batch in batches:
             loaded = []
-            for mX, _, _, head_dim in batch:
+            for side, p0, p1 in batch:
+                mX, head_dim = sides[side][0], self.head_dims[side]
                 for w in cutlass.range_constexpr(self.tokens_per_warp):
-                    for p in cutlass.range_constexpr(self.passes(head_dim)):
+                    for p in cutlass.range_constexpr(p0, p1):
                         head, group, _ = self.unit(p, head_dim, lane)
                         token = cutlass.min(first_token + w, num_tokens - 1)
                         chunk = group * self.lanes + lane % self.lanes
@@ -165,9 +173,11 @@ class FillKvCacheFp8Kernel:
             if cutlass.const_expr(blocks is None):
                 blocks, slots = self.destinations(mCu, mKvLen, mBlk, mKC, num_tokens, first_token, lane)
             i = 0
-            for _, mC, mS, head_dim in batch:
+            for side, p0, p1 in batch:
+                _, mC, mS = sides[side]
+                head_dim = self.head_dims[side]
                 for w in cutlass.range_constexpr(self.tokens_per_warp):
-                    for p in cutlass.range_constexpr(self.passes(head_dim)):
+                    for p in cutlass.range_constexpr(p0, p1):
                         head, group, ok = self.unit(p, head_dim, lane)
                         rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
                         scale = quantize_group_fp8(loaded[i], rQ, self.lanes, self.ue8m0)
