@@ -61,6 +61,27 @@ def test_mla_k_only(q_lens, group_size, layout):
     _run_and_compare(case, group_size, "ue8m0", layout)
 
 
+@pytest.mark.parametrize("tokens_per_warp", [1, 2, 4])
+@pytest.mark.parametrize("with_v", [False, True])
+def test_persistent_variant(tokens_per_warp, with_v):
+    """The persistent variant with one CTA per SM: every warp loops over several batches."""
+    from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
+
+    case = make_kv_case([3000, 1, 2093, 17], [0, 50, 700, 3], heads=1 if not with_v else 8,
+                        head_dim=512 if not with_v else 128, with_v=with_v, seed=tokens_per_warp + 7 * with_v)
+    expected = [None if t is None else t.clone() for t in case.args()]
+    fill_kv_cache_fp8_ref(*expected, group_size=128, scale_fmt=None, layout="bshd")
+    fill_kv_cache_fp8_cuda(*case.args(), 128, None, "bshd", max_tokens_per_warp=tokens_per_warp,
+                           small_batch=False, persistent_ctas_per_sm=1)
+    for got, want in zip((case.k_cache, case.v_cache, case.k_scale_cache, case.v_scale_cache), expected[2:6]):
+        if got is None:
+            continue
+        if got.dtype == torch.float32:
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+        else:
+            assert (got.view(torch.uint8) == want.view(torch.uint8)).float().mean().item() >= 0.9999
+
+
 def test_fp32_states_and_small_blocks():
     case = make_kv_case([3, 40], [10, 0], heads=4, head_dim=64, block_size=16, group_size=64,
                         dtype=torch.float32, seed=3)
