@@ -64,19 +64,23 @@ def test_mla_k_only(q_lens, group_size, layout):
     _run_and_compare(case, group_size, "ue8m0", layout)
 
 
-@pytest.mark.parametrize("tokens_per_warp", [1, 2, 4])
-@pytest.mark.parametrize("with_v", [False, True])
-def test_persistent_variant(tokens_per_warp, with_v):
-    """The persistent variant with one CTA per SM: every warp loops over several batches."""
+@pytest.mark.parametrize("config", ["llama", "mla", "mla_g512", "fp32"])
+@pytest.mark.parametrize("small_batch", [False, True])
+def test_wide_lanes(config, small_batch):
+    """The kernel variant with half the lanes per group, each holding interleaved 16-byte vectors."""
     from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
 
-    case = make_kv_case([3000, 1, 2093, 17], [0, 50, 700, 3], heads=1 if not with_v else 8,
-                        head_dim=512 if not with_v else 128, with_v=with_v, seed=tokens_per_warp + 7 * with_v)
+    heads, dim, with_v, group, dtype = {
+        "llama": (8, 128, True, 128, torch.bfloat16), "mla": (1, 512, False, 128, torch.bfloat16),
+        "mla_g512": (1, 512, False, 512, torch.bfloat16), "fp32": (4, 64, True, 64, torch.float32),
+    }[config]  # fmt: skip
+    case = make_kv_case([300, 1, 93, 17], [0, 50, 700, 3], heads=heads, head_dim=dim, with_v=with_v,
+                        group_size=group, dtype=dtype, seed=len(config) + small_batch)  # fmt: skip
 
     def launch(*args):
-        fill_kv_cache_fp8_cuda(*args, max_tokens_per_warp=tokens_per_warp, small_batch=False, persistent_ctas_per_sm=1)
+        fill_kv_cache_fp8_cuda(*args, small_batch=small_batch, wide=True)
 
-    _run_and_compare(case, 128, None, "bshd", launch)
+    _run_and_compare(case, group, "ue8m0" if small_batch else None, "bshd", launch)
 
 
 def test_fp32_states_and_small_blocks():

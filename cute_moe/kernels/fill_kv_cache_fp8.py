@@ -70,15 +70,20 @@ class FillKvCacheFp8Kernel:
     def __init__(
         self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
         max_tokens_per_warp: int = 8, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
-        persistent_ctas: int = 0,
+        wide: bool = False,
     ):  # fmt: skip
         self.dtype = dtype
         self.heads = heads
         self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
         self.group_size = group_size
         self.ue8m0 = ue8m0
-        self.lanes = lanes_per_group(dtype.width // 8, group_size)
+        # `wide`: half the lanes per group, each with twice the elements (fewer shuffles and
+        # per-group scalar work per element). A lane's elements are 16-byte vectors interleaved
+        # with the other lanes' (vector j of lane l at j * lanes + l), so each load is coalesced.
+        self.lanes = max(1, lanes_per_group(dtype.width // 8, group_size) // (2 if wide else 1))
         self.elems_per_lane = group_size // self.lanes
+        self.vec = 128 // dtype.width
+        self.vecs_per_lane = self.elems_per_lane // self.vec
         self.groups_per_pass = 32 // self.lanes
         side_bytes = [self.passes(d) * self.elems_per_lane * dtype.width // 8 for d in self.head_dims]
         self.tokens_per_warp = max(1, min(max_tokens_per_warp, _BYTES_IN_FLIGHT_PER_LANE // sum(side_bytes)))
@@ -100,10 +105,6 @@ class FillKvCacheFp8Kernel:
             self.parts = [tuple((side, 0, n) for side, n in enumerate(passes))]
         self.cta_warps = max(1, warps_per_cta // len(self.parts)) * len(self.parts)
         self.tokens_per_cta = self.tokens_per_warp * self.cta_warps // len(self.parts)
-        # persistent_ctas > 0: at most that many CTAs, each warp looping over batches with the next
-        # batch's loads in flight (one part, all of its loads in one batch).
-        single_batch = len(self.parts) == 1 and (len(self.parts[0]) == 1 or self.sides_together)
-        self.persistent_ctas = persistent_ctas if single_batch else 0
 
     def passes(self, head_dim: int) -> int:
         """Warp passes over one token's heads * head_dim / G groups."""
@@ -125,11 +126,8 @@ class FillKvCacheFp8Kernel:
         mKC = cute.make_tensor(cute.recast_ptr(mKC.iterator, dtype=cutlass.Float8E4M3FN), mKC.layout)
         if cutlass.const_expr(len(self.head_dims) == 2):
             mVC = cute.make_tensor(cute.recast_ptr(mVC.iterator, dtype=cutlass.Float8E4M3FN), mVC.layout)
-        grid_x = cute.ceil_div(mK.shape[0], self.tokens_per_cta)
-        if cutlass.const_expr(self.persistent_ctas > 0):
-            grid_x = cutlass.min(grid_x, self.persistent_ctas)
         self.kernel(mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk).launch(
-            grid=[grid_x, 1, 1],
+            grid=[cute.ceil_div(mK.shape[0], self.tokens_per_cta), 1, 1],
             block=[32 * self.cta_warps, 1, 1],
             stream=stream,
         )
@@ -144,16 +142,13 @@ class FillKvCacheFp8Kernel:
         if cutlass.const_expr(len(self.head_dims) == 2):
             sides.append((mV, mVC, mVS))
         lookup = (mCu, mKvLen, mBlk, mKC, mK.shape[0])
-        if cutlass.const_expr(self.persistent_ctas > 0):
-            self.fill_persistent(self.parts[0], sides, lookup, bidx * self.cta_warps + warp, lane)
+        first_token = bidx * self.tokens_per_cta + (warp // len(self.parts)) * self.tokens_per_warp
+        if cutlass.const_expr(len(self.parts) == 1):
+            self.fill(self.parts[0], sides, lookup, first_token, lane)
         else:
-            first_token = bidx * self.tokens_per_cta + (warp // len(self.parts)) * self.tokens_per_warp
-            if cutlass.const_expr(len(self.parts) == 1):
-                self.fill(self.parts[0], sides, lookup, first_token, lane)
-            else:
-                for i in cutlass.range_constexpr(len(self.parts)):
-                    if warp % len(self.parts) == i:
-                        self.fill(self.parts[i], sides, lookup, first_token, lane)
+            for i in cutlass.range_constexpr(len(self.parts)):
+                if warp % len(self.parts) == i:
+                    self.fill(self.parts[i], sides, lookup, first_token, lane)
 
     @cute.jit
     def fill(self, part: cutlass.Constexpr, sides: list, lookup, first_token, lane):
@@ -170,26 +165,6 @@ class FillKvCacheFp8Kernel:
             if cutlass.const_expr(blocks is None):
                 blocks, slots = self.destinations(*lookup, first_token, lane)
             self.quantize_store(batch, sides, loaded, blocks, slots, lane)
-
-    @cute.jit
-    def fill_persistent(self, part: cutlass.Constexpr, sides: list, lookup, global_warp, lane):
-        """The warp takes batches of ``tokens_per_warp`` tokens ``global_warp, + all warps, ...`` and
-        loads the next batch before quantizing this one, so that its loads stay in flight through
-        the look-up, the math and the stores (and all warps end together: no partial last wave)."""
-        num_tokens = lookup[4]
-        num_batches = cute.ceil_div(num_tokens, self.tokens_per_warp)
-        grid_x, _, _ = cute.arch.grid_dim()
-        stride = grid_x * self.cta_warps
-        pending = self.new_buffers(part)
-        self.load(part, sides, pending, global_warp * self.tokens_per_warp, num_tokens, lane)
-        for batch in cutlass.range(global_warp, num_batches, stride, unroll=1):
-            loaded = self.new_buffers(part)
-            for i in cutlass.range_constexpr(len(loaded)):
-                loaded[i].store(pending[i].load())
-            if batch + stride < num_batches:
-                self.load(part, sides, pending, (batch + stride) * self.tokens_per_warp, num_tokens, lane)
-            blocks, slots = self.destinations(*lookup, batch * self.tokens_per_warp, lane)
-            self.quantize_store(part, sides, loaded, blocks, slots, lane)
 
     def new_buffers(self, pieces) -> list:
         """Registers for one load of ``pieces`` ((side, first pass, end pass), ...): one 16-byte
@@ -212,15 +187,16 @@ class FillKvCacheFp8Kernel:
                 for p in cutlass.range_constexpr(p0, p1):
                     head, group, _ = self.unit(p, head_dim, lane)
                     token = cutlass.min(first_token + w, num_tokens - 1)
-                    chunk = group * self.lanes + lane % self.lanes
-                    cute.copy(load, cute.local_tile(mX[token, head, None], (self.elems_per_lane,), (chunk,)), bufs[i])
+                    for j in cutlass.range_constexpr(self.vecs_per_lane):
+                        src = cute.local_tile(mX[token, head, None], (self.vec,), (self.vector(group, j, lane),))
+                        cute.copy(load, src, cute.local_tile(bufs[i], (self.vec,), (j,)))
                     i += 1
 
     @cute.jit
     def quantize_store(self, pieces: cutlass.Constexpr, sides: list, loaded: list, blocks, slots, lane):
         """Quantize ``loaded`` and store codes and scales of the tokens with a block (>= 0)."""
         store = cute.make_copy_atom(
-            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=min(128, 8 * self.elems_per_lane)
+            cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=8 * self.vec
         )
         i = 0
         for side, p0, p1 in pieces:
@@ -233,11 +209,17 @@ class FillKvCacheFp8Kernel:
                     scale = quantize_group_fp8(loaded[i], rQ, self.lanes, self.ue8m0)
                     i += 1
                     if blocks[w] >= 0 and ok:
-                        chunk = group * self.lanes + lane % self.lanes
-                        dst = cute.local_tile(mC[blocks[w], slots[w], head, None], (self.elems_per_lane,), (chunk,))
-                        cute.copy(store, rQ, dst)
+                        for j in cutlass.range_constexpr(self.vecs_per_lane):
+                            dst = cute.local_tile(mC[blocks[w], slots[w], head, None], (self.vec,),
+                                                  (self.vector(group, j, lane),))  # fmt: skip
+                            cute.copy(store, cute.local_tile(rQ, (self.vec,), (j,)), dst)
                         if lane % self.lanes == 0:
                             mS[blocks[w], slots[w], head, group] = scale
+
+    @cute.jit
+    def vector(self, group, j: cutlass.Constexpr, lane):
+        """Index (in 16-byte vectors of a head's row) of this lane's j-th vector of ``group``."""
+        return group * (self.group_size // self.vec) + j * self.lanes + lane % self.lanes
 
     @cute.jit
     def unit(self, p: cutlass.Constexpr, head_dim: cutlass.Constexpr, lane):
@@ -355,7 +337,7 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
     keep_cubin: bool = False, max_tokens_per_warp: int = 8, small_batch: bool = False,
-    warps_per_cta: int = _WARPS_PER_CTA, persistent_ctas: int = 0,
+    warps_per_cta: int = _WARPS_PER_CTA, wide: bool = False,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
     (``contiguous``: None, or (layout, block_size) for the static-stride variant; ``small_batch``:
@@ -371,7 +353,7 @@ def compile_fill_kv_cache_fp8(
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
     kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, max_tokens_per_warp,
-                                  small_batch, warps_per_cta, persistent_ctas)  # fmt: skip
+                                  small_batch, warps_per_cta, wide)  # fmt: skip
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -383,11 +365,11 @@ def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
     max_tokens_per_warp: int | None = None, small_batch: bool | None = None, warps_per_cta: int = _WARPS_PER_CTA,
-    persistent_ctas_per_sm: int = 0,
+    wide: bool = False,
 ) -> None:  # fmt: skip
     """Launch on the states' device and current stream; inputs already validated by the op layer.
-    ``max_tokens_per_warp``, ``small_batch``, ``warps_per_cta`` and ``persistent_ctas_per_sm``
-    override the defaults (benchmarks)."""
+    ``max_tokens_per_warp``, ``small_batch``, ``warps_per_cta`` and ``wide`` override the defaults
+    (benchmarks)."""
     head_dim_v = None if v_states is None else v_states.shape[2]
     reason = FillKvCacheFp8Kernel.can_implement(k_states.dtype, k_states.shape[2], head_dim_v, group_size)
     if reason is not None:
@@ -415,8 +397,7 @@ def fill_kv_cache_fp8_cuda(
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
         contiguous, arch_of_device(k_states.device), False, max_tokens_per_warp or (1 if small_batch else 8),
-        small_batch, warps_per_cta,
-        persistent_ctas_per_sm * torch.cuda.get_device_properties(k_states.device).multi_processor_count,
+        small_batch, warps_per_cta, wide,
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 
