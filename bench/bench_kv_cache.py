@@ -73,7 +73,7 @@ def main() -> None:
     if args.sweep:
         print("\nsweep (kernel module called directly): tokens per warp b, warps per CTA w, small-batch variant s, "
               "W: wide lanes (8 per group); decode: amortized us, prefill: kernel us (eager, events) / %copy")
-        knobs = {"decode B=64": [(1, 4, True, 0), (1, 4, False, 0)],
+        knobs = {"decode B=64": [(1, 4, small, wide) for small in (True, False) for wide in (True, False)],
                  "prefill 65536": [(b, 4, False, wide) for b in (1, 2, 4) for wide in (False, True)]}
         for cname, (heads, dim, with_v) in CONFIGS.items():
             for wname, settings in knobs.items():

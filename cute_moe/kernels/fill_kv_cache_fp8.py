@@ -19,18 +19,26 @@ output) get a variant compiled with those strides as constants (keyed on layout
 and block size), whose addressing folds into a few adds; any other strides get
 the variant with every stride a runtime value.
 
-Mapping: a warp owns a few consecutive tokens (enough that each lane has about
-128 bytes of loads in flight: 1 token for Llama-style K+V, 4 for MLA K-only;
-one token below 4096 tokens, where more warps beat fewer look-ups).
-For each token the warp finds its sequence by counting ``cu_seqlens_q[1:] <= t``
+Mapping: a warp owns up to two consecutive tokens (as many as keep each lane's
+loads within 128 bytes: 1 token for Llama-style K+V, 2 for MLA K-only).  The
+token's ``H * D / G`` groups are covered ``32 / L`` per warp pass, ``L`` lanes per
+group (half the lanes that 16 bytes each would need: a lane holds two 16-byte
+vectors of its group, interleaved with the other lanes' so that every load is
+coalesced; per element that halves the amax shuffles and the per-group scalar
+work).  With the head count a compile-time constant every pass unrolls, and all
+loads of the warp's tokens are issued before the destination look-up and any
+math.  The look-up: the token's sequence is the count of ``cu_seqlens_q[1:] <= t``
 (each lane counts a strided share, then a warp sum: independent loads instead of
 a dependent binary search; the lane holding the token's sequence keeps its
-bounds and length for a shuffle), then reads the block table: two memory round
-trips, overlapped with the loads of the token's states.  The token's ``H * D / G`` groups are covered ``32 / L`` per warp
-pass (``L`` lanes per group, 16 bytes per lane per load); with the head count a
-compile-time constant every pass unrolls, and all loads of the warp's tokens are
-issued first, before the destination look-ups and any math.  The floor is HBM bandwidth: read K and V once,
-write codes and scales once.
+bounds and length for a shuffle), then the block table is read: two memory round
+trips, overlapped with the loads of the token's states.  The floor is HBM
+bandwidth: read K and V once, write codes and scales once.
+
+Small batches (fewer than 4096 tokens, decode) cannot fill the GPU, and a
+token's serial math on one warp is then what the step waits for: one token per
+warp, its passes split over up to 4 warps, and the sequence look-up first
+guesses that token ``t`` is the only new token of sequence ``t`` (decode), which
+saves the counting round trips when right.
 
 Constraints (``FillKvCacheFp8Kernel.can_implement``): states bf16/fp16/f32 with
 unit channel stride and 16-byte aligned token and head strides; G a power of two
@@ -50,8 +58,7 @@ from .host_checks import check_rows_16b, debug_check_index_range
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4  # default; the launcher may override (benchmark sweeps)
 _BYTES_IN_FLIGHT_PER_LANE = 128  # a warp batches tokens until its lanes' loads reach this
-# Below this many tokens a warp takes one token (more warps for a small batch: decode);
-# above it, as many as _BYTES_IN_FLIGHT_PER_LANE allows (amortising the destination look-up).
+# Below this many tokens the small-batch variant (decode): one token per warp, split over warps.
 _SMALL_BATCH_TOKENS = 4096
 # Sequences per lane per round of the sequence look-up (loads issued together): 4 in the
 # small-batch variant (B = 64..128 decode sequences in one round trip), 1 otherwise (registers).
@@ -69,8 +76,8 @@ class FillKvCacheFp8Kernel:
 
     def __init__(
         self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
-        max_tokens_per_warp: int = 8, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
-        wide: bool = False,
+        max_tokens_per_warp: int = 2, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
+        wide: bool = True,
     ):  # fmt: skip
         self.dtype = dtype
         self.heads = heads
@@ -336,8 +343,8 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 @cached_compile
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
-    keep_cubin: bool = False, max_tokens_per_warp: int = 8, small_batch: bool = False,
-    warps_per_cta: int = _WARPS_PER_CTA, wide: bool = False,
+    keep_cubin: bool = False, max_tokens_per_warp: int = 2, small_batch: bool = False,
+    warps_per_cta: int = _WARPS_PER_CTA, wide: bool = True,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
     (``contiguous``: None, or (layout, block_size) for the static-stride variant; ``small_batch``:
@@ -365,7 +372,7 @@ def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
     max_tokens_per_warp: int | None = None, small_batch: bool | None = None, warps_per_cta: int = _WARPS_PER_CTA,
-    wide: bool = False,
+    wide: bool = True,
 ) -> None:  # fmt: skip
     """Launch on the states' device and current stream; inputs already validated by the op layer.
     ``max_tokens_per_warp``, ``small_batch``, ``warps_per_cta`` and ``wide`` override the defaults
@@ -396,7 +403,7 @@ def fill_kv_cache_fp8_cuda(
         small_batch = k_states.shape[0] < _SMALL_BATCH_TOKENS
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
-        contiguous, arch_of_device(k_states.device), False, max_tokens_per_warp or (1 if small_batch else 8),
+        contiguous, arch_of_device(k_states.device), False, max_tokens_per_warp or (1 if small_batch else 2),
         small_batch, warps_per_cta, wide,
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
@@ -410,7 +417,7 @@ def inspect_variants(arch: str):
             f"{'any strides' if contiguous is None else 'contiguous %s, block %d' % contiguous}"
             f"{', small batch' if small else ''}]",
             compile_fill_kv_cache_fp8(torch.bfloat16, h, d, dv, g, fmt == "ue8m0", contiguous, arch, True,
-                                      1 if small else 8, small),  # fmt: skip
+                                      1 if small else 2, small),  # fmt: skip
             0,
         )
         for h, d, dv, g, fmt, contiguous, small in [
