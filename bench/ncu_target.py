@@ -33,7 +33,18 @@ def _gemm(n, k, groups=4, rows=8192):
     return lambda: torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
 
 
+def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8):
+    from cute_moe.reference import align_ref
+
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    offsets, row_to_token, token_to_row, _ = align_ref(ids, e, 128)
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    return lambda: cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=token_to_row if token_major else None)
+
+
 TARGETS = {
+    "permute_quant_tokens": lambda: _permute_quant(True),
+    "permute_quant_rows": lambda: _permute_quant(False),
     "gemm_w13": lambda: _gemm(4096, 7168),
     "gemm_w2": lambda: _gemm(7168, 2048),
     "kv_llama_prefill": lambda: _kv(8, 128, True),
