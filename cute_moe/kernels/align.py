@@ -82,7 +82,6 @@ from cutlass.cutlass_dsl import dsl_user_op
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor
 from ..reference import m_cap
-from .pdl import USE_PDL, wait_then_release_dependents
 from .reduce_common import opaque_zero
 
 NUM_WARPS = 32
@@ -152,9 +151,7 @@ class AlignKernel:
     @cute.jit
     def __call__(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor,
                  mCnt: cute.Tensor, stream):  # fmt: skip
-        self.kernel(mIds, mOff, mR2T, mT2R, mCnt).launch(
-            grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], use_pdl=USE_PDL, stream=stream
-        )
+        self.kernel(mIds, mOff, mR2T, mT2R, mCnt).launch(grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
 
     @cute.jit
     def batch_keys(self, mIds: cute.Tensor, base, lane, stop, zero: Int32, count: cutlass.Constexpr):
@@ -182,7 +179,6 @@ class AlignKernel:
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor, mCnt: cute.Tensor):
-        wait_then_release_dependents()
         E = self.num_local
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.warp_idx()

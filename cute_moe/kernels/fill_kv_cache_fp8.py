@@ -54,7 +54,6 @@ from cutlass import Int32
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
 from .fp8_group import lanes_per_group, quantize_group_fp8
 from .host_checks import check_rows_16b, debug_check_index_range
-from .pdl import USE_PDL, wait_then_release_dependents
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _WARPS_PER_CTA = 4  # default; the launcher may override (benchmark sweeps)
@@ -137,12 +136,11 @@ class FillKvCacheFp8Kernel:
         self.kernel(mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk).launch(
             grid=[cute.ceil_div(mK.shape[0], self.tokens_per_cta), 1, 1],
             block=[32 * self.cta_warps, 1, 1],
-            use_pdl=USE_PDL, stream=stream,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mK, mKC, mKS, mV, mVC, mVS, mCu, mKvLen, mBlk):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % 32

@@ -52,7 +52,6 @@ from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor
 from .host_checks import check_rows_16b, debug_check_index_range
-from .pdl import USE_PDL, wait_then_release_dependents
 from .reduce_common import (
     MAX_K,
     NUM_THREADS,
@@ -95,12 +94,11 @@ class FinalizeKernel:
         self.kernel(mY, mW, mIdx, mOut).launch(
             grid=[mW.shape[0], cute.ceil_div(mY.shape[1], self.cols_per_cta), 1],
             block=[self.num_threads, 1, 1],
-            use_pdl=USE_PDL, stream=stream,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mW: cute.Tensor, mIdx: cute.Tensor, mOut: cute.Tensor):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         token, slab, _ = cute.arch.block_idx()
         num_rows = mY.shape[0]

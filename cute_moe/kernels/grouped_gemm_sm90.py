@@ -51,7 +51,6 @@ from .grouped_gemm_schedule import (
     CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales, tile_coords,
     valid_tiles,
 )  # fmt: skip
-from .pdl import USE_PDL, wait_then_release_dependents
 
 STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
 EPI_N, EPI_STAGES = 32, 2  # epilogue: 128 x 32 bf16 sub-tiles through 2 x 8 KB of shared memory
@@ -134,7 +133,6 @@ class GroupedGemmFp8Sm90:
             block=[self.num_threads, 1, 1],
             cluster=[CLUSTER_N, 1, 1],
             min_blocks_per_mp=1,
-            use_pdl=USE_PDL,
             stream=stream,
         )
 
@@ -152,6 +150,8 @@ class GroupedGemmFp8Sm90:
         a_mcast_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=1)
         # A cluster visits groups of CLUSTER_N adjacent N tiles (see grouped_gemm_schedule).
         n_groups = (mC.shape[1] + TILE_N * CLUSTER_N - 1) // (TILE_N * CLUSTER_N)
+        sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
+                 n_groups, mA.shape[1] // TILE_K, rank)  # fmt: skip
         if warp_idx == _TMA_WARP:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -187,10 +187,6 @@ class GroupedGemmFp8Sm90:
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, CLUSTER_N))
-        # The prologue above overlaps the previous kernel; every global read comes after this.
-        wait_then_release_dependents()
-        sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
-                 n_groups, mA.shape[1] // TILE_K, rank)  # fmt: skip
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         if warp_group == 0:

@@ -48,7 +48,6 @@ from cutlass import Float32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
 from .host_checks import check_rows_16b
-from .pdl import USE_PDL, wait_then_release_dependents
 from .reduce_common import (
     MAX_K,
     NUM_THREADS,
@@ -97,12 +96,11 @@ class MoeReduceKernel:
         self.kernel(mH, mW, mOut).launch(
             grid=[mH.shape[0], cute.ceil_div(mH.shape[2], self.cols_per_cta), 1],
             block=[self.num_threads, 1, 1],
-            use_pdl=USE_PDL, stream=stream,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mH: cute.Tensor, mW: cute.Tensor, mOut: cute.Tensor):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         token, slab, _ = cute.arch.block_idx()
         weights = warp_entries(mW, token, self.k, Float32(0.0))

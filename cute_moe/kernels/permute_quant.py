@@ -92,7 +92,6 @@ from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tens
 from .fp8_group import lanes_per_group, quantize_group_fp8
 from .host_checks import debug_check_index_range
 from .moe_rows import GROUP, RowGroupKernel, checked_outputs, rows_end
-from .pdl import USE_PDL, wait_then_release_dependents
 from .reduce_common import opaque_zero
 
 QUANT_DTYPES = (torch.bfloat16, torch.float16)
@@ -154,13 +153,10 @@ class PermuteQuantKernel(_RowGather):
     @cute.jit
     def __call__(self, mX, mR2T, mOff, mQ, mS, stream):
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        self.kernel(mX, mR2T, mOff, mQ, mS).launch(
-            grid=self.grid(mQ), block=[self.num_threads, 1, 1], use_pdl=USE_PDL, stream=stream
-        )
+        self.kernel(mX, mR2T, mOff, mQ, mS).launch(grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mR2T: cute.Tensor, mOff: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        wait_then_release_dependents()
         tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
         # cp.async into per-thread slots of shared memory: the 4 row loads are issued back to back
         # and none of the math can be scheduled between them (it all waits on the group).
@@ -244,12 +240,11 @@ class TokenPermuteQuantKernel:
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
         gather, zero = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
         self.kernel(mX, mT2R, mR2T, mOff, mQ, mS).launch(
-            grid=[gather + zero, 1, 1], block=[self.num_threads, 1, 1], use_pdl=USE_PDL, stream=stream
+            grid=[gather + zero, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mX, mT2R, mR2T, mOff, mQ, mS):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         gather, _ = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
@@ -374,12 +369,11 @@ class PermuteKernel(_RowGather):
     @cute.jit
     def __call__(self, mA, mSin, mR2T, mOff, mQ, mS, stream):
         self.kernel(mA, mSin, mR2T, mOff, mQ, mS).launch(
-            grid=self.grid(mQ), block=[self.num_threads, 1, 1], use_pdl=USE_PDL, stream=stream
+            grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mA, mSin, mR2T, mOff, mQ, mS):
-        wait_then_release_dependents()
         tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
         copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
         sTok = self.alloc_tokens(cutlass.utils.SmemAllocator())

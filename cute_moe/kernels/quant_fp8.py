@@ -38,7 +38,6 @@ from ..compiler import (
 )
 from .fp8_group import lanes_per_group, quantize_group_fp8
 from .host_checks import check_rows_16b
-from .pdl import USE_PDL, wait_then_release_dependents
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GRID_Y = 65535
@@ -80,12 +79,11 @@ class QuantFp8Kernel:
         self.kernel(mX, mQ, mS).launch(
             grid=[mX.shape[1] // self.group_size, cute.ceil_div(mX.shape[0], self.rows_per_cta), 1],
             block=[self.num_threads, 1, 1],
-            use_pdl=USE_PDL, stream=stream,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         group, bidy, _ = cute.arch.block_idx()
         first_row = bidy * self.rows_per_cta + tidx // self.threads_per_group

@@ -77,7 +77,6 @@ import torch
 from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .pdl import USE_PDL, wait_then_release_dependents
 from .reduce_common import add_rn, mul_rn
 from .silu_mul_quant import F32_MAX, ONE_PLUS_EXP_NEG
 
@@ -178,12 +177,11 @@ class RouteKernel:
         self.kernel(mX, mBias, mIds, mW, scaling).launch(
             grid=[cute.ceil_div(mX.shape[0], self.num_warps), 1, 1],
             block=[self.num_threads, 1, 1],
-            use_pdl=USE_PDL, stream=stream,
+            stream=stream,
         )
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mBias: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, scaling: Float32):
-        wait_then_release_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         lane = tidx % WARP

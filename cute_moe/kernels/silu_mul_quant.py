@@ -93,7 +93,6 @@ from cutlass import Float32, Int32
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
 from .fp8_group import to_f32
 from .moe_rows import GROUP, RowGroupKernel, checked_outputs, real_rows_end
-from .pdl import USE_PDL, wait_then_release_dependents
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -166,13 +165,12 @@ class SiluMulQuantKernel(RowGroupKernel):
     def __call__(self, mG, mU, mOff, mCnt, mQ, mS, stream):
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
         self.kernel(mG, mU, mOff, mCnt, mQ, mS).launch(
-            grid=self.grid(mQ), block=[self.num_threads, 1, 1], use_pdl=USE_PDL, stream=stream
+            grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mOff: cute.Tensor, mCnt: cute.Tensor, mQ: cute.Tensor,
                mS: cute.Tensor):  # fmt: skip
-        wait_then_release_dependents()
         tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
         # cp.async into per-thread slots of shared memory (slot 2u: gate of row u, 2u + 1: up):
         # all 8 loads are issued back to back, and none of the math can be scheduled between them.
