@@ -307,12 +307,14 @@ def test_grouped_gemm_fp8_with_expert_counts(case):
 
 
 def test_grouped_gemm_fp8_op_runs_this_kernel():
-    """torch.ops.cute_moe.grouped_gemm_fp8 on the GPU is this kernel (bit-identical output)."""
+    """torch.ops.cute_moe.grouped_gemm_fp8 on the GPU is this kernel (bit-identical output on the
+    rows it defines: the 128 rows past the last segment are unspecified, fresh memory each call)."""
     p = make_problem(8, 512, 2048, routing_from_counts(deepgemm_counts(8, 300, random.Random(5))), seed=5)
     want = gg.grouped_gemm_fp8_cuda(*p.args())
     got = torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
     check_output(got, p)
-    assert torch.equal(got, want)
+    end = p.routing.end
+    assert torch.equal(got[:end], want[:end])
 
 
 def test_grouped_gemm_fp8_misaligned_segments_give_nan():
