@@ -71,10 +71,10 @@ def main() -> None:
               f"{r['eager_us']:>9.2f} {r['eager_pct_copy']:>6.1f} {r['amortized_us']:>9.2f} {r['torch_us']:>9.1f} "
               f"{r['torch_us'] / r['us']:>7.1f}")
     if args.sweep:
-        print("\nsweep (kernel module called directly): tokens per warp b, warps per CTA w, small-batch variant s, "
-              "W: wide lanes (8 per group); decode: amortized us, prefill: kernel us (eager, events) / %copy")
-        knobs = {"decode B=64": [(1, 4, small, wide) for small in (True, False) for wide in (True, False)],
-                 "prefill 65536": [(b, 4, False, wide) for b in (1, 2, 4) for wide in (False, True)]}
+        print("\nsweep (kernel module called directly): tokens per warp b, warps per CTA w, small-batch variant s; "
+              "decode: amortized us, prefill: kernel us (eager, events) / %copy")
+        knobs = {"decode B=64": [(1, 4, small) for small in (True, False)],
+                 "prefill 65536": [(b, w, False) for b in (1, 2, 4) for w in (4, 8)]}
         for cname, (heads, dim, with_v) in CONFIGS.items():
             for wname, settings in knobs.items():
                 q_lens, hist = WORKLOADS[wname]
@@ -82,12 +82,12 @@ def main() -> None:
                 sides = 2 if with_v else 1
                 nbytes = sides * sum(q_lens) * heads * (dim * 2 + dim + dim // 128 * 4)
                 cells = []
-                for b, w, small, wide in settings:
-                    def call(b=b, w=w, small=small, wide=wide):
+                for b, w, small in settings:
+                    def call(b=b, w=w, small=small):
                         fill_kv_cache_fp8_cuda(*case.args(), 128, None, "bshd", max_tokens_per_warp=b,
-                                               small_batch=small, warps_per_cta=w, wide=wide)
+                                               small_batch=small, warps_per_cta=w)
                     us = timer.graph_amortized_us(call) if sum(q_lens) < 1024 else timer.kernel_us(call)
-                    cells.append(f"b{b}w{w}{'s' if small else ''}{'W' if wide else ''}: "
+                    cells.append(f"b{b}w{w}{'s' if small else ''}: "
                                  f"{us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.1f}%")
                 print(f"  {cname:<28} {wname:<14} " + "  ".join(cells))
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -25,8 +25,10 @@ class KvCase:
 
 def make_kv_case(q_lens, histories, heads: int, head_dim: int, *, with_v: bool = True, block_size: int = 64,
                  group_size: int = 128, layout: str = "bshd", dtype=torch.bfloat16, seed: int = 0,
-                 spare_blocks: int = 8) -> KvCase:
-    """Random states, a shuffled block table and caches full of poison (random bytes, NaN scales)."""
+                 spare_blocks: int = 8, head_dim_v: int | None = None) -> KvCase:
+    """Random states, a shuffled block table and caches full of poison (random bytes, NaN scales);
+    V's head dim is ``head_dim_v`` (default: ``head_dim``)."""
+    dim_v = head_dim if head_dim_v is None else head_dim_v
     g = torch.Generator(device="cuda").manual_seed(seed)
     q_lens = torch.tensor(q_lens, dtype=torch.int64)
     kv_lens = q_lens + torch.tensor(histories, dtype=torch.int64)
@@ -54,8 +56,8 @@ def make_kv_case(q_lens, histories, heads: int, head_dim: int, *, with_v: bool =
     cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(q_lens, 0)
     return KvCase(
-        states(head_dim), states(head_dim) if with_v else None,
-        cache(head_dim, torch.float8_e4m3fn, 1), cache(head_dim, torch.float8_e4m3fn, 1) if with_v else None,
-        cache(head_dim, torch.float32, group_size), cache(head_dim, torch.float32, group_size) if with_v else None,
+        states(head_dim), states(dim_v) if with_v else None,
+        cache(head_dim, torch.float8_e4m3fn, 1), cache(dim_v, torch.float8_e4m3fn, 1) if with_v else None,
+        cache(head_dim, torch.float32, group_size), cache(dim_v, torch.float32, group_size) if with_v else None,
         cu.cuda(), kv_lens.to(torch.int32).cuda(), table,
     )

@@ -40,8 +40,8 @@ SCENARIOS = {
     "decode_b512": ([1] * 512, [int(i * 53 % 3000) for i in range(512)]),
     "prefill_with_history": ([4096, 1000, 1], [0, 300, 77]),
     "mixed": ([1, 17, 1, 300, 64, 1, 2, 129], [5, 0, 640, 63, 64, 1, 1000, 3]),
-    # the small-batch variant guesses token t's sequence as t: right up to the first 0 or 2,
-    # wrong after it (the look-up by counting then decides)
+    # the small-batch variant first checks sequence min(t, B - 1): right for most tokens here,
+    # wrong for token 40 and tokens 102.. (the look-up by counting then decides; B > 128: two rounds)
     "decode_guess_misses": ([1] * 40 + [0, 2] + [1] * 60 + [0] * 3 + [1] * 30, [int(i * 41 % 900) for i in range(135)]),
 }
 
@@ -64,21 +64,32 @@ def test_mla_k_only(q_lens, group_size, layout):
     _run_and_compare(case, group_size, "ue8m0", layout)
 
 
-@pytest.mark.parametrize("config", ["llama", "mla", "mla_g512", "fp32"])
+CONFIGS = {  # heads, D, Dv (None: K only), group size, states dtype
+    "llama": (8, 128, 128, 128, torch.bfloat16),
+    "mla_g512": (1, 512, None, 512, torch.bfloat16),
+    "heads16": (16, 128, 128, 128, torch.bfloat16),  # small batch: 4 warps per token, parts from pass 2
+    "d256_dv512": (8, 256, 512, 128, torch.bfloat16),  # unequal sides: 3 warps per token
+    "fp16_g32": (2, 64, 64, 32, torch.float16),
+    "fp16_g256": (2, 256, 256, 256, torch.float16),
+    "fp32_g256": (2, 256, 256, 256, torch.float32),  # 4 vectors per lane per group
+    "bf16_g1024": (1, 1024, None, 1024, torch.bfloat16),  # 8 vectors per lane per group
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("small_batch", [False, True])
-def test_wide_lanes(config, small_batch):
-    """The kernel variant with half the lanes per group, each holding interleaved 16-byte vectors."""
+def test_both_variants(config, small_batch):
+    """The prefill and the small-batch variant forced on the same mixed batch (one of them is not
+    what the op would pick at this size), for head shapes, dtypes and group sizes of every kind."""
     from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
 
-    heads, dim, with_v, group, dtype = {
-        "llama": (8, 128, True, 128, torch.bfloat16), "mla": (1, 512, False, 128, torch.bfloat16),
-        "mla_g512": (1, 512, False, 512, torch.bfloat16), "fp32": (4, 64, True, 64, torch.float32),
-    }[config]  # fmt: skip
-    case = make_kv_case([300, 1, 93, 17], [0, 50, 700, 3], heads=heads, head_dim=dim, with_v=with_v,
-                        group_size=group, dtype=dtype, seed=len(config) + small_batch)  # fmt: skip
+    heads, dim, dim_v, group, dtype = CONFIGS[config]
+    case = make_kv_case([300, 1, 93, 17, 1, 1], [0, 50, 700, 3, 64, 9], heads=heads, head_dim=dim,
+                        with_v=dim_v is not None, head_dim_v=dim_v, group_size=group, dtype=dtype,
+                        seed=len(config) + small_batch)  # fmt: skip
 
     def launch(*args):
-        fill_kv_cache_fp8_cuda(*args, small_batch=small_batch, wide=True)
+        fill_kv_cache_fp8_cuda(*args, small_batch=small_batch)
 
     _run_and_compare(case, group, "ue8m0" if small_batch else None, "bshd", launch)
 

@@ -22,10 +22,10 @@ the variant with every stride a runtime value.
 Mapping: a warp owns up to two consecutive tokens (as many as keep each lane's
 loads within 128 bytes: 1 token for Llama-style K+V, 2 for MLA K-only).  The
 token's ``H * D / G`` groups are covered ``32 / L`` per warp pass, ``L`` lanes per
-group (half the lanes that 16 bytes each would need: a lane holds two 16-byte
-vectors of its group, interleaved with the other lanes' so that every load is
-coalesced; per element that halves the amax shuffles and the per-group scalar
-work).  With the head count a compile-time constant every pass unrolls, and all
+group (half the lanes that 16 bytes each would need, at most 16: a lane holds two
+or more 16-byte vectors of its group, interleaved with the other lanes' so that
+every load is coalesced; per element that halves the amax shuffles and the
+per-group scalar work).  With the head count a compile-time constant every pass unrolls, and all
 loads of the warp's tokens are issued before the destination look-up and any
 math.  The look-up: the token's sequence is the count of ``cu_seqlens_q[1:] <= t``
 (each lane counts a strided share, then a warp sum: independent loads instead of
@@ -37,8 +37,8 @@ bandwidth: read K and V once, write codes and scales once.
 Small batches (fewer than 4096 tokens, decode) cannot fill the GPU, and a
 token's serial math on one warp is then what the step waits for: one token per
 warp, its passes split over up to 4 warps, and the sequence look-up first
-guesses that token ``t`` is the only new token of sequence ``t`` (decode), which
-saves the counting round trips when right.
+checks whether token ``t`` lies in sequence ``min(t, B - 1)`` (always so in pure
+decode), which saves the counting round trips when right.
 
 Constraints (``FillKvCacheFp8Kernel.can_implement``): states bf16/fp16/f32 with
 unit channel stride and 16-byte aligned token and head strides; G a power of two
@@ -77,17 +77,17 @@ class FillKvCacheFp8Kernel:
     def __init__(
         self, dtype, heads: int, head_dim: int, head_dim_v: int | None, group_size: int, ue8m0: bool,
         max_tokens_per_warp: int = 2, small_batch: bool = False, warps_per_cta: int = _WARPS_PER_CTA,
-        wide: bool = True,
     ):  # fmt: skip
         self.dtype = dtype
         self.heads = heads
         self.head_dims = (head_dim,) if head_dim_v is None else (head_dim, head_dim_v)
         self.group_size = group_size
         self.ue8m0 = ue8m0
-        # `wide`: half the lanes per group, each with twice the elements (fewer shuffles and
-        # per-group scalar work per element). A lane's elements are 16-byte vectors interleaved
-        # with the other lanes' (vector j of lane l at j * lanes + l), so each load is coalesced.
-        self.lanes = max(1, lanes_per_group(dtype.width // 8, group_size) // (2 if wide else 1))
+        # Half the lanes per group that 16-byte lanes would need, each with twice the elements
+        # (fewer shuffles and per-group scalar work per element). A lane's elements are 16-byte
+        # vectors interleaved with the other lanes' (vector j of lane l at j * lanes + l), so each
+        # load is coalesced.
+        self.lanes = max(1, lanes_per_group(dtype.width // 8, group_size) // 2)
         self.elems_per_lane = group_size // self.lanes
         self.vec = 128 // dtype.width
         self.vecs_per_lane = self.elems_per_lane // self.vec
@@ -95,18 +95,20 @@ class FillKvCacheFp8Kernel:
         side_bytes = [self.passes(d) * self.elems_per_lane * dtype.width // 8 for d in self.head_dims]
         self.tokens_per_warp = max(1, min(max_tokens_per_warp, _BYTES_IN_FLIGHT_PER_LANE // sum(side_bytes)))
         # Both sides' loads up front when they fit the budget together (one token of Llama-style
-        # K+V): the V loads then overlap the destination look-up too, which decode needs.
-        # Otherwise K's, then V's, which keeps registers (and so occupancy) in check.
+        # K+V): the V loads then overlap the destination look-up too. Otherwise K's, then V's,
+        # which keeps registers (and so occupancy) in check.
         self.sides_together = len(side_bytes) == 2 and sum(side_bytes) * self.tokens_per_warp <= _BYTES_IN_FLIGHT_PER_LANE
         # A warp's work for a token: its "part", a tuple of (side, first pass, end pass). A small
         # batch (decode) has too few tokens to fill the GPU, and a token's serial math on one warp
-        # is then what the step waits for: the token's passes go to up to _MAX_WARPS_PER_TOKEN
-        # warps of at least _MIN_PASSES_PER_WARP passes each. There the token's sequence is also
-        # first guessed as its own index (right when every sequence has one new token).
+        # is then what the step waits for: each side's passes go to warps of `chunk` passes (at
+        # least _MIN_PASSES_PER_WARP), at most _MAX_WARPS_PER_TOKEN warps in all. There the
+        # token's sequence is also guessed first (see `destinations`).
         self.small_batch = small_batch
         passes = [self.passes(d) for d in self.head_dims]
         if small_batch and self.tokens_per_warp == 1:
             chunk = max(_MIN_PASSES_PER_WARP, -(-sum(passes) // _MAX_WARPS_PER_TOKEN))
+            while sum(-(-n // chunk) for n in passes) > _MAX_WARPS_PER_TOKEN:  # sides split separately
+                chunk += 1
             self.parts = [((side, p0, min(p0 + chunk, n)),) for side, n in enumerate(passes) for p0 in range(0, n, chunk)]
         else:
             self.parts = [tuple((side, 0, n) for side, n in enumerate(passes))]
@@ -174,8 +176,8 @@ class FillKvCacheFp8Kernel:
             self.quantize_store(batch, sides, loaded, blocks, slots, lane)
 
     def new_buffers(self, pieces) -> list:
-        """Registers for one load of ``pieces`` ((side, first pass, end pass), ...): one 16-byte
-        tensor per (piece, token, pass)."""
+        """Registers for one load of ``pieces`` ((side, first pass, end pass), ...): one tensor of
+        the lane's elements of a group per (piece, token, pass)."""
         return [
             cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
             for _, p0, p1 in pieces for _ in range(self.tokens_per_warp) for _ in range(p0, p1)
@@ -255,11 +257,11 @@ class FillKvCacheFp8Kernel:
         found.fill(0)
         hit = Int32(0)
         if cutlass.const_expr(self.small_batch and self.tokens_per_warp == 1):
-            # Guess: the token is the first of sequence min(token, B - 1). When the guess holds,
-            # it is what the count gives for ordered cu_seqlens_q (the ends before it are <= token,
-            # the rest > token), and a round trip per 32 sequences is saved.
-            guess = cutlass.max(cutlass.min(first_token, num_seqs - 1), 0)
-            if num_seqs > 0:
+            # Guess: the token lies in sequence min(token, B - 1). When it does, that is what the
+            # count gives for ordered cu_seqlens_q (the ends before it are <= token, the rest
+            # > token), and the counting round trips (one per 128 sequences) are saved.
+            guess = cutlass.min(first_token, num_seqs - 1)
+            if num_seqs > 0:  # (the launcher never launches for B = 0; no read past cu_seqlens_q)
                 q_start, q_end, kv_len = mCu[guess], mCu[guess + 1], mKvLen[guess]
                 if q_start <= first_token and first_token < q_end:
                     hit = Int32(1)
@@ -344,7 +346,7 @@ def _fake_side(cdtype, head_dim: int, group_size: int, num_tokens, heads: int, c
 def compile_fill_kv_cache_fp8(
     dtype: torch.dtype, heads: int, head_dim: int, head_dim_v, group_size: int, ue8m0: bool, contiguous, arch: str,
     keep_cubin: bool = False, max_tokens_per_warp: int = 2, small_batch: bool = False,
-    warps_per_cta: int = _WARPS_PER_CTA, wide: bool = True,
+    warps_per_cta: int = _WARPS_PER_CTA,
 ):  # fmt: skip
     """Compile for any token count, batch and cache size; keyed on the scalars above
     (``contiguous``: None, or (layout, block_size) for the static-stride variant; ``small_batch``:
@@ -360,7 +362,7 @@ def compile_fill_kv_cache_fp8(
     kv_len = fake_tensor(cutlass.Int32, (batch,), (1,), align=4)
     block_offsets = fake_tensor(cutlass.Int32, (batch, cute.sym_int()), (cute.sym_int64(), 1), align=4)
     kernel = FillKvCacheFp8Kernel(cdtype, heads, head_dim, head_dim_v, group_size, ue8m0, max_tokens_per_warp,
-                                  small_batch, warps_per_cta, wide)  # fmt: skip
+                                  small_batch, warps_per_cta)  # fmt: skip
     return compile_kernel(kernel, *k_side, *v_side, cu, kv_len, block_offsets, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -372,11 +374,10 @@ def fill_kv_cache_fp8_cuda(
     k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache,
     cu_seqlens_q, kv_seqlens, block_offsets, group_size, scale_fmt, layout,
     max_tokens_per_warp: int | None = None, small_batch: bool | None = None, warps_per_cta: int = _WARPS_PER_CTA,
-    wide: bool = True,
 ) -> None:  # fmt: skip
     """Launch on the states' device and current stream; inputs already validated by the op layer.
-    ``max_tokens_per_warp``, ``small_batch``, ``warps_per_cta`` and ``wide`` override the defaults
-    (benchmarks)."""
+    ``max_tokens_per_warp``, ``small_batch`` and ``warps_per_cta`` override the defaults (benchmarks,
+    tests)."""
     head_dim_v = None if v_states is None else v_states.shape[2]
     reason = FillKvCacheFp8Kernel.can_implement(k_states.dtype, k_states.shape[2], head_dim_v, group_size)
     if reason is not None:
@@ -404,7 +405,7 @@ def fill_kv_cache_fp8_cuda(
     fn = compile_fill_kv_cache_fp8(
         k_states.dtype, k_states.shape[1], k_states.shape[2], head_dim_v, group_size, scale_fmt == "ue8m0",
         contiguous, arch_of_device(k_states.device), False, max_tokens_per_warp or (1 if small_batch else 2),
-        small_batch, warps_per_cta, wide,
+        small_batch, warps_per_cta,
     )  # fmt: skip
     fn(*args, cu_seqlens_q, kv_seqlens, block_offsets)
 
