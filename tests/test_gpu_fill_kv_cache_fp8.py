@@ -94,6 +94,22 @@ def test_both_variants(config, small_batch):
     _run_and_compare(case, group, "ue8m0" if small_batch else None, "bshd", launch)
 
 
+@pytest.mark.parametrize("small_batch", [False, True])
+def test_unwritable_tokens_are_skipped(small_batch):
+    """Tokens past cu_seqlens_q[-1] and tokens whose position falls before the cache start
+    (kv_seqlens < q_len) are not written; the caches keep their poison there."""
+    from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
+
+    case = make_kv_case([5, 40, 1], [0, 10, 3], heads=8, head_dim=128, seed=11 + small_batch)
+    case.kv_seqlens[1] = 20  # sequence 1: its first 20 new tokens land before position 0
+    case.cu_seqlens_q[3] = case.cu_seqlens_q[2]  # sequence 2 empty: the last token is past the end
+
+    def launch(*args):
+        fill_kv_cache_fp8_cuda(*args, small_batch=small_batch)
+
+    _run_and_compare(case, 128, None, "bshd", launch)
+
+
 def test_fp32_states_and_small_blocks():
     case = make_kv_case([3, 40], [10, 0], heads=4, head_dim=64, block_size=16, group_size=64,
                         dtype=torch.float32, seed=3)
