@@ -1,4 +1,5 @@
-"""Shared pytest setup: skip ``gpu`` tests without CUDA; a per-test random-input factory."""
+"""Shared pytest setup: skip ``gpu`` tests without CUDA; a per-test random-input factory; a
+torch.compile frame counter that fails on recompiles."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import zlib
 
 import pytest
 import torch
+import torch._dynamo.testing
 
 from cute_moe import reference as R
 
@@ -49,3 +51,13 @@ class Rand:
 @pytest.fixture
 def rnd(request: pytest.FixtureRequest) -> Rand:
     return Rand(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def compile_counter():
+    """A fresh dynamo state that fails on any recompile, plus a counter of compiled frames."""
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        yield counter
+    torch._dynamo.reset()

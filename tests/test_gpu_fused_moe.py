@@ -56,7 +56,6 @@ from typing import Callable, Optional
 
 import pytest
 import torch
-import torch._dynamo.testing
 import torch.nn.functional as F
 from torch import nn
 
@@ -457,16 +456,6 @@ class _Block(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         return self.moe(x, router_logits)
-
-
-@pytest.fixture
-def compile_counter():
-    """A fresh dynamo state that fails on any recompile, plus a counter of compiled frames."""
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        yield counter
-    torch._dynamo.reset()
 
 
 def test_torch_compile_fullgraph_dynamic(compile_counter):

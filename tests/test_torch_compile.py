@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo.testing
 from torch import nn
 
 import cute_moe
@@ -38,16 +37,6 @@ class MoE(nn.Module):
         a2, a2_scale = cute_moe.silu_mul_quant(h, offsets)
         y = cute_moe.grouped_gemm_fp8(a2, a2_scale, self.w2, self.w2_scale, offsets)
         return cute_moe.finalize(y, w, token_to_row)
-
-
-@pytest.fixture
-def compile_counter():
-    """A fresh dynamo state that fails on any recompile, plus a counter of compiled frames."""
-    torch._dynamo.reset()
-    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        yield counter
-    torch._dynamo.reset()
 
 
 def _assert_one_graph(counter) -> None:
