@@ -12,7 +12,6 @@ the k indices and weights per token, and writes one bf16 row; moe_reduce reads
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,6 +22,7 @@ from cute_moe.kernels.finalize import finalize_cuda  # noqa: E402
 from cute_moe.kernels.moe_reduce import moe_reduce_cuda  # noqa: E402
 from cute_moe.reference import align_ref, finalize_ref, moe_reduce_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 H, K, E = 7168, 8, 256
 TOKENS = (1, 128, 4096, 16384)
@@ -46,7 +46,7 @@ def _moe_reduce_inputs(t: int, dtype: torch.dtype):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_finalize.json"))
+    parser.add_argument("--json", default=default_json("bench_finalize.json"))
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
@@ -75,9 +75,7 @@ def main() -> None:
         acc = "" if r["fp32_acc"] is None else ("f32" if r["fp32_acc"] else "bf16")
         print(f"{r['op']:>10} {acc:>5} {r['T']:>6} {r['us']:>9.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['torch_us']:>9.2f} {r['torch_us'] / r['us']:>7.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
 
 
 if __name__ == "__main__":

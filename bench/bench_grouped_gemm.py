@@ -38,7 +38,6 @@ CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
@@ -48,6 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.reference import align_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -396,9 +396,8 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
 
 
 def main() -> None:
-    out_dir = os.environ.get("OUT", "bench/results")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=os.path.join(out_dir, "bench_grouped_gemm.json"))
+    parser.add_argument("--json", default=default_json("bench_grouped_gemm.json"))
     parser.add_argument("--png", default=None, help="default: the JSON path with .png")
     parser.add_argument("--no-kernel", action="store_true", help="bench only the torch peers (no cute_moe kernel)")
     parser.add_argument("--no-promotion", action="store_true",
@@ -442,10 +441,8 @@ def main() -> None:
         torch.cuda.empty_cache()
 
     print_table(rows, copy_gbs)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_gbs": copy_gbs,
-                   "probes": probes, "rows": rows}, f, indent=1)  # fmt: skip
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                           "copy_gbs": copy_gbs, "probes": probes, "rows": rows})  # fmt: skip
     print(f"json: {args.json}")
     plot(rows, copy_gbs, png)
 

@@ -10,7 +10,6 @@ and f32 scales once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,6 +23,7 @@ from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda  # noqa: E
 from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 CONFIGS = {  # name: heads, head_dim, with_v
     "llama (H_kv=8, D=128, K+V)": (8, 128, True),
@@ -38,7 +38,7 @@ WORKLOADS = {  # name: q_lens, histories
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_kv_cache.json"))
+    parser.add_argument("--json", default=default_json("bench_kv_cache.json"))
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's tokens-per-warp knob")
     args = parser.parse_args()
     timer = Timer()
@@ -90,9 +90,7 @@ def main() -> None:
                     cells.append(f"b{b}w{w}{'s' if small else ''}: "
                                  f"{us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.1f}%")
                 print(f"  {cname:<28} {wname:<14} " + "  ".join(cells))
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -61,6 +60,7 @@ sys.path.insert(0, _HERE)
 if os.path.dirname(_HERE) not in sys.path:  # a checkout without pip install -e
     sys.path.insert(1, os.path.dirname(_HERE))
 from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, _time  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -463,11 +463,10 @@ def _tokens(arg: Optional[str]) -> tuple[int, ...]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    out_dir = os.environ.get("OUT", "bench/results")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="models: " + ", ".join(m.name for m in MODELS))  # fmt: skip
-    parser.add_argument("--json", default=os.path.join(out_dir, "bench_moe.json"))
+    parser.add_argument("--json", default=default_json("bench_moe.json"))
     parser.add_argument("--png", default=None, help="default: the JSON path with .png")
     parser.add_argument("--only", default=None, help="only models whose name contains this substring (case-insensitive)")
     parser.add_argument("--tokens", default=None, help=f"comma-separated T values (default {','.join(map(str, TOKENS))})")
@@ -533,10 +532,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         torch.cuda.empty_cache()
 
     print_table(rows, copy_gbs)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": device, "torch": torch.__version__, "copy_gbs": copy_gbs, "peak_tflops": PEAK_TFLOPS,
-                   "probes": probes, "rows": rows}, f, indent=1)  # fmt: skip
+    write_json(args.json, {"device": device, "torch": torch.__version__, "copy_gbs": copy_gbs,
+                           "peak_tflops": PEAK_TFLOPS, "probes": probes, "rows": rows})  # fmt: skip
     print(f"json: {args.json}")
     plot(rows, copy_gbs, png, device)
 

@@ -9,7 +9,6 @@ Bytes counted minimally: read x once, write the codes and the f32 scales once.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ from cute_moe.compiler import arch_of_device  # noqa: E402
 from cute_moe.kernels.quant_fp8 import compile_quant_fp8, quant_fp8_cuda  # noqa: E402
 from cute_moe.reference import quant_fp8_ref  # noqa: E402
 from cute_moe.timing import Timer, host_us_per_call  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 H = 7168
 TOKENS = (1, 128, 4096, 16384)
@@ -28,7 +28,7 @@ TOKENS = (1, 128, 4096, 16384)
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_quant_fp8.json"))
+    parser.add_argument("--json", default=default_json("bench_quant_fp8.json"))
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
@@ -68,9 +68,7 @@ def main() -> None:
         ),
     }
     print("host overhead per eager call, T=1:  " + ";  ".join(f"{k} {v:.1f} us" for k, v in host.items()))
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows, "host_us": host}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows, "host_us": host})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ replay after an L2 flush.  The plain-PyTorch composition is ``cute_moe.reference
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -22,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cute_moe  # noqa: E402,F401  (registers torch.ops.cute_moe)
 from cute_moe.reference import align_ref, route_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
 MODELS = {
@@ -32,7 +32,7 @@ MODELS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_route.json"))
+    parser.add_argument("--json", default=default_json("bench_route.json"))
     args = parser.parse_args()
     timer = Timer()
     rows = []
@@ -54,9 +54,7 @@ def main() -> None:
     print(f"{'model':>12} {'op':>6} {'T':>6} {'us':>8} {'cold us':>8} {'torch us':>9}")
     for r in rows:
         print(f"{r['model']:>12} {r['op']:>6} {r['T']:>6} {r['us']:>8.2f} {r['cold_us']:>8.2f} {r['torch_us']:>9.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "rows": rows})
 
 
 if __name__ == "__main__":

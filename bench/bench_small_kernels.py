@@ -28,7 +28,6 @@ moe_reduce are in bench_finalize.py.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -38,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cute_moe  # noqa: E402
 from cute_moe.reference import align_ref, permute_quant_ref, silu_mul_quant_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 H, E, K, INTER = 7168, 256, 8, 2048
 TOKENS = (1, 16, 128, 1024, 4096, 16384)
@@ -51,7 +51,7 @@ def _routing(t: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "bench/results"), "bench_small_kernels.json"))
+    parser.add_argument("--json", default=default_json("bench_small_kernels.json"))
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
@@ -89,9 +89,7 @@ def main() -> None:
     for r in rows:
         print(f"{r['op']:>22} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f} {r['padding_pct']:>5.1f}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows}, f, indent=1)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
 
 
 if __name__ == "__main__":
