@@ -3,6 +3,9 @@
     ncu --clock-control none --kernel-name regex:kernel_cutlass -c 1 --launch-skip 1 \\
         --section SpeedOfLight --section Occupancy --section WarpStateStats \\
         python3 bench/ncu_target.py kv_llama_prefill
+
+    ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum \
+        python3 bench/ncu_target.py layer_t1          # every kernel of one warm layer call
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cute_moe  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
 
@@ -33,6 +37,31 @@ def _gemm(n, k, groups=4, rows=8192):
     return lambda: torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
 
 
+def _gemm_decode(n, k, tokens=1):
+    """DeepSeek-V3 decode routing (top-8 of 256 experts) with align's counts, as fused_moe calls it."""
+    from bench_grouped_gemm import Shape, make_problem
+
+    p = make_problem(Shape("decode", "decode", 256, n, k, tokens=tokens))
+    args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
+    return lambda: torch.ops.cute_moe.grouped_gemm_fp8(*args)
+
+
+def _layer(tokens=1):
+    """The full-size DeepSeek-V3 fused_moe (random FP8 weights): profile with --launch-skip 0 and no
+    kernel filter after the first call to list every kernel of one layer call."""
+    from cute_moe.__main__ import FULL_E, FULL_H, FULL_I, FULL_K, FULL_N_GROUP, FULL_SCALING, FULL_TOPK_GROUP
+    from cute_moe.__main__ import _random_fp8_experts
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, w13_scale = _random_fp8_experts(FULL_E, 2 * FULL_I, FULL_H, g)
+    w2, w2_scale = _random_fp8_experts(FULL_E, FULL_H, FULL_I, g)
+    bias = 0.1 * torch.randn(FULL_E, generator=g, device="cuda")
+    x = torch.randn(tokens, FULL_H, generator=g, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(tokens, FULL_E, generator=g, device="cuda")
+    return lambda: torch.ops.cute_moe.fused_moe(x, logits, w13, w13_scale, w2, w2_scale, FULL_K, "deepseek_v3", bias,
+                                                FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING)  # fmt: skip
+
+
 def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8):
     from cute_moe.reference import align_ref
 
@@ -47,6 +76,9 @@ TARGETS = {
     "permute_quant_rows": lambda: _permute_quant(False),
     "gemm_w13": lambda: _gemm(4096, 7168),
     "gemm_w2": lambda: _gemm(7168, 2048),
+    "gemm_w13_t1": lambda: _gemm_decode(4096, 7168),
+    "gemm_w2_t1": lambda: _gemm_decode(7168, 2048),
+    "layer_t1": _layer,
     "kv_llama_prefill": lambda: _kv(8, 128, True),
     "kv_mla_prefill": lambda: _kv(1, 512, False),
     "quant_16384": _quant,
@@ -56,5 +88,7 @@ if __name__ == "__main__":
     fn = TARGETS[sys.argv[1]]()
     fn()
     torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()  # with `ncu --profile-from-start off`: the warm call only
     fn()
     torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()

@@ -28,6 +28,7 @@ from ..compiler import arch_of_device_index
 
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
+_LOOKUP_DEPTH = 8  # segment ends a lane loads at once in expert_of_row
 CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
 
 
@@ -66,11 +67,16 @@ def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
 
 @cute.jit
 def expert_of_row(mOff: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32) -> Int32:
-    """The expert whose segment holds ``row``: how many segment ends are <= row (a warp sum)."""
+    """The expert whose segment holds ``row``: how many segment ends are <= row (a warp sum).
+
+    A lane loads 8 segment ends (every 32nd) at once, at clamped indices with no branch between
+    the loads, so that a lookup costs one global-memory round trip per 256 experts, not one per
+    32 experts."""
     count = Int32(0)
-    for i in cutlass.range(lane, num_experts, 32, unroll=1):
-        if mOff[i + 1] <= row:
-            count += 1
+    for base in cutlass.range(0, num_experts, 32 * _LOOKUP_DEPTH, unroll=1):
+        ends = [mOff[min(base + lane + 32 * j, num_experts - 1) + 1] for j in range(_LOOKUP_DEPTH)]
+        for j in cutlass.range_constexpr(_LOOKUP_DEPTH):
+            count += Int32((ends[j] <= row) & (base + lane + 32 * j < num_experts))
     return cute.arch.warp_reduction_sum(count)
 
 
@@ -80,6 +86,17 @@ def tile_coords(tile: Int32, n_groups: Int32, rank: Int32):
     past the last one is a multicast-only visit)."""
     m_tile = tile // n_groups
     return m_tile, (tile - m_tile * n_groups) * CLUSTER_N + rank
+
+
+@cute.jit
+def next_visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, tile_stride: Int32,
+                      n_groups: Int32, rank: Int32) -> Int32:  # fmt: skip
+    """The expert of visit ``tile + tile_stride``.  The producer warps look it up right after the
+    first K block of visit ``tile`` is issued, so the lookup's latency hides behind the wait for a
+    free stage; done between visits, it left the load stream idle for a global-memory round trip
+    per visit, which on short K loops (decode, K = 2048) was a tenth of the time."""
+    m_tile, _ = tile_coords(tile + tile_stride, n_groups, rank)
+    return expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
 
 
 @cute.jit
@@ -113,14 +130,19 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
     stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land)."""
     first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
+    expert = next_visit_expert(mOff, num_experts, lane, first_tile, 0, n_groups, rank)
     for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
         m_tile, n_tile = tile_coords(tile, n_groups, rank)
-        gSB = mSB[(expert_of_row(mOff, m_tile * TILE_M, num_experts, lane), None, None)]  # (N blocks, K blocks)
+        gSB = mSB[(expert, None, None)]  # (N blocks, K blocks)
+        next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_pipe.producer_acquire(state)
             copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane)
             scale_pipe.producer_commit(state)
             state.advance()
+            if k_tile == 0:
+                next_expert = next_visit_expert(mOff, num_experts, lane, tile, tile_stride, n_groups, rank)
+        expert = next_expert
     scale_pipe.producer_tail(state)
 
 

@@ -48,8 +48,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales, tile_coords,
-    valid_tiles,
+    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales,
+    next_visit_expert, tile_coords, valid_tiles,
 )  # fmt: skip
 
 STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
@@ -212,9 +212,10 @@ class GroupedGemmFp8Sm90:
         )
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        expert = next_visit_expert(mOff, num_experts, lane, first_tile, 0, n_groups, rank)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = tile_coords(tile, n_groups, rank)
-            expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
+            next_expert = expert
             for k_tile in cutlass.range(k_tiles, unroll=1):
                 ab_pipe.producer_acquire(state)
                 barrier = ab_pipe.producer_get_barrier(state)
@@ -223,6 +224,9 @@ class GroupedGemmFp8Sm90:
                 cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
                 ab_pipe.producer_commit(state)
                 state.advance()
+                if k_tile == 0:
+                    next_expert = next_visit_expert(mOff, num_experts, lane, tile, tile_stride, n_groups, rank)
+            expert = next_expert
         ab_pipe.producer_tail(state)
 
     @cute.jit
