@@ -124,10 +124,24 @@ def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB:
 
 
 @cute.jit
+def copy_segment(mOff: cute.Tensor, mCnt: cute.Tensor, sSeg: cute.Tensor, expert: Int32, stage: Int32, lane: Int32):
+    """cp.async of a visit's segment record into a stage, from lanes 1-3: ``sSeg[:, stage]`` =
+    (``expert_offsets[e]``, ``expert_offsets[e + 1]``, ``mCnt[e]``), so that the math warps never
+    wait on a global load between visits."""
+    copy_w = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Int32, num_bits_per_copy=32)
+    if lane == 1 or lane == 2:
+        cute.copy(copy_w, cute.local_tile(mOff, (1,), (expert + lane - 1,)),
+                  cute.local_tile(sSeg[(lane - 1, None)], (1,), (stage,)))  # fmt: skip
+    if lane == 3:
+        cute.copy(copy_w, cute.local_tile(mCnt, (1,), (expert,)), cute.local_tile(sSeg[(2, None)], (1,), (stage,)))
+
+
+@cute.jit
 def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
-                mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched):  # fmt: skip
+                mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
-    stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land)."""
+    stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land).
+    With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage."""
     first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     expert = next_visit_expert(mOff, num_experts, lane, first_tile, 0, n_groups, rank)
@@ -138,6 +152,9 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_pipe.producer_acquire(state)
             copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane)
+            if cutlass.const_expr(segment is not None):
+                if k_tile == 0:
+                    copy_segment(mOff, segment[0], segment[1], expert, state.index, lane)
             scale_pipe.producer_commit(state)
             state.advance()
             if k_tile == 0:

@@ -17,7 +17,11 @@ Pipeline (persistent: one CTA per SM, 384 threads; schedule in ``grouped_gemm_sc
   so 512 contiguous bytes: 16 per lane) and its one B scale into the same stage
   index of a lockstep ``PipelineCpAsync``: asynchronous like the TMA, so a scale's
   global-memory latency never stalls the stream of tiles, and the math warps read
-  scales from shared memory only.
+  scales from shared memory only.  With a visit's first K block it also copies the
+  visit's segment record (the expert's two offsets and its count), so the math warps
+  read nothing from global memory at all (a lookup between visits idled the tensor cores).
+  Both producer warps look up the next visit's expert right after issuing the current
+  visit's first K block.
 * warp groups 1-2 (math, 64 rows each, ``QGMMA.64x128x32`` x 4 per K block), with
   registers moved from the producer group (40) to them (232).  Two temporary
   accumulators alternate: K block ``j + 1``'s WGMMAs are issued before K block
@@ -48,7 +52,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales,
+    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, launch, load_scales,
     next_visit_expert, tile_coords, valid_tiles,
 )  # fmt: skip
 
@@ -73,7 +77,7 @@ class GroupedGemmFp8Sm90:
         # has_counts: the launch passes expert_counts (real rows per segment; the rest is padding).
         self.has_counts = has_counts
         self.stages = STAGES
-        self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4) + (
+        self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4 + 12) + (
             EPI_STAGES * TILE_M * EPI_N * 2
         )
 
@@ -122,6 +126,7 @@ class GroupedGemmFp8Sm90:
             scale_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * TILE_M], 16]
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, self.stages], 16]
+            sSeg: cute.struct.Align[cute.struct.MemRange[Int32, 3 * self.stages], 16]
             sA: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sC_layout)], 1024]
@@ -184,6 +189,7 @@ class GroupedGemmFp8Sm90:
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sSA = storage.sSA.get_tensor(cute.make_layout((TILE_M, self.stages)))
         sSB = storage.sSB.get_tensor(cute.make_layout((1, self.stages)))
+        sSeg = storage.sSeg.get_tensor(cute.make_layout((3, self.stages)))
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
 
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, CLUSTER_N))
@@ -194,11 +200,11 @@ class GroupedGemmFp8Sm90:
             if warp_idx == _TMA_WARP:
                 self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched)
             if warp_idx == _SCALE_WARP:
-                load_scales(mSA, mSB, sSA, sSB, scale_pipe, self.stages, mOff, num_experts, lane, sched)
+                load_scales(mSA, mSB, sSA, sSB, scale_pipe, self.stages, mOff, num_experts, lane, sched,
+                            segment=(mCnt, sSeg))  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.math(tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts,
-                      lane, tidx - 128, sched)  # fmt: skip
+            self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, tidx - 128, sched)
 
     @cute.jit
     def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched):
@@ -230,8 +236,7 @@ class GroupedGemmFp8Sm90:
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def math(self, tiled_mma, sA, sB, sSA, sSB, sC, ab_pipe, scale_pipe, tma_c, mC, mOff, mCnt, num_experts, lane,
-             math_tidx, sched):  # fmt: skip
+    def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, math_tidx, sched):
         """Math warp groups: per tile, the K loop, then the epilogue."""
         first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
         thr_mma = tiled_mma.get_slice(math_tidx)
@@ -255,15 +260,16 @@ class GroupedGemmFp8Sm90:
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = tile_coords(tile, n_groups, rank)
-            expert = expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
-            # Read now, used by the epilogue: the offsets' latency hides behind the K loop.
-            misaligned = (mOff[expert] % TILE_M) | (mOff[expert + 1] % TILE_M)
+            # The visit's segment record (start, end, count) came with its first stage's scales.
+            scale_pipe.consumer_wait(self._state(r_idx, r_ph))
+            seg_start, seg_end = sSeg[0, r_idx], sSeg[1, r_idx]
+            misaligned = (seg_start % TILE_M) | (seg_end % TILE_M)  # used by the epilogue
             acc.fill(0.0)
             # With expert counts, a warp group whose 64 rows are all padding only keeps the
             # pipelines in step (decode: one real row per expert halves the tensor-core work).
             busy = True
             if cutlass.const_expr(self.has_counts):
-                busy = mCnt[expert] - (m_tile * TILE_M - mOff[expert]) > (math_tidx // 128) * (TILE_M // 2)
+                busy = sSeg[2, r_idx] - (m_tile * TILE_M - seg_start) > (math_tidx // 128) * (TILE_M // 2)
             if cutlass.const_expr(not self.block_scaled):
                 r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx,
                                                                 r_ph, d_idx, d_ph)  # fmt: skip
