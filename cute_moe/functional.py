@@ -155,6 +155,7 @@ def permute_quant(
     *,
     scale_fmt: Optional[str] = None,
     token_to_row: Optional[Tensor] = None,
+    zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Gather token rows into expert order and quantize them to FP8 (1x128 groups).
 
@@ -168,12 +169,17 @@ def permute_quant(
             where a row it does not name is left unwritten). It does not change the result;
             given it, the CUDA kernel reads and quantizes each token row once and stores it to
             its ``k`` rows (without it, each routed row is gathered and quantized on its own).
+        zero_padding: ``False`` leaves the padding rows inside the segments unspecified, for a
+            consumer that never reads them (:func:`grouped_gemm_fp8` and :func:`silu_mul_quant`
+            given align's ``expert_counts``, as :func:`fused_moe_routed` calls them); with
+            ``token_to_row`` the CUDA kernel then skips writing them, most of its work at decode.
 
     Returns:
         ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
-        Padding rows inside a segment are zero codes; rows ``>= expert_offsets[-1]`` are unspecified.
+        Padding rows inside a segment are zero codes (the scale of an all-zero group) unless
+        ``zero_padding=False``; rows ``>= expert_offsets[-1]`` are unspecified.
     """
-    return _call("permute_quant", x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    return _call("permute_quant", x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
 
 
 @_api

@@ -297,8 +297,9 @@ def permute_quant(
     expert_offsets: Tensor,
     scale_fmt: Optional[str] = None,
     token_to_row: Optional[Tensor] = None,
+    zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
     a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     return a.contiguous(), _as_scales(s, True)
 
@@ -310,12 +311,13 @@ def _permute_quant_cuda(
     expert_offsets: Tensor,
     scale_fmt: Optional[str] = None,
     token_to_row: Optional[Tensor] = None,
+    zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
     from cute_moe.kernels.permute_quant import permute_quant_cuda
 
     # With token_to_row: the token-major kernel (x read once); without: the row-major one.
-    return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
+    return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
 
 
 def _permuted_fake(like: Tensor, row_to_token: Tensor) -> tuple[Tensor, Tensor]:
@@ -492,7 +494,8 @@ def _moe_from_topk(
     offsets, row_to_token, token_to_row, counts = call(
         "align", topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
     )
-    a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row)
+    # Padding rows stay unwritten: both GEMMs and silu_mul_quant are given the counts and skip them.
+    a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
     h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)
     a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt, counts)
     y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)

@@ -391,8 +391,11 @@ def validate_permute_quant(
     expert_offsets: Tensor,
     scale_fmt: Optional[str] = None,
     token_to_row: Optional[Tensor] = None,
+    zero_padding: bool = True,
 ) -> None:
     op = "permute_quant"
+    if not isinstance(zero_padding, bool):
+        raise TypeError(f"cute_moe.{op}: zero_padding must be a bool, got {type(zero_padding).__name__}")
     _tensor(op, "x", x, _HALF_ACT, 2, "[T, H]")
     check_divisible(op, "H (x.shape[1])", x.shape[1], ACT_GROUP_SIZE)
     _check_permute_maps(op, row_to_token, expert_offsets)

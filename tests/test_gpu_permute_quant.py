@@ -148,6 +148,29 @@ def test_permute_quant_rows_past_end_untouched(way, scale_fmt):
     assert_past_end_untouched(a, s, _end(offsets))
 
 
+@pytest.mark.parametrize("routing", ["ragged", "ep_shard"])
+@pytest.mark.parametrize("num_tokens", [1, 128])
+def test_permute_quant_token_major_without_zeroing(routing, num_tokens):
+    """zero_padding=False (what fused_moe passes): routed rows as the reference, padding rows and
+    rows past the end never written (still the poison of a direct call)."""
+    offsets, row_to_token, token_to_row = _maps(routing, num_tokens, seed=31 + num_tokens)
+    x = random_activations(num_tokens, 2048, torch.bfloat16, seed=31 + num_tokens)
+    a, s = poisoned_outputs(row_to_token.shape[0], 2048)
+    compile_permute_quant_tokens(torch.bfloat16, False, token_to_row.shape[1], arch_of_device(x.device), False,
+                                 False)(x, token_to_row, row_to_token, offsets, a, s)  # fmt: skip
+    a = a.view(torch.float8_e4m3fn)
+    end = _end(offsets)
+    routed = (row_to_token[:end] >= 0).nonzero().flatten()
+    pad = (row_to_token[:end] < 0).nonzero().flatten()
+    assert routed.numel() and pad.numel()
+    a_ref, s_ref = permute_quant_ref(x, row_to_token, offsets, None)
+    assert torch.equal(a[routed].view(torch.uint8), a_ref[routed].view(torch.uint8))
+    assert same_bits(s[routed], s_ref[routed])
+    assert bool((a[pad].view(torch.uint8) == 0xFF).all()) and bool(s[pad].isnan().all())
+    if end < a.shape[0]:  # T=1 over 8 experts fills M_cap = 8 + 8 * 127 exactly
+        assert_past_end_untouched(a, s, end)
+
+
 @pytest.mark.parametrize("way", WAYS)
 def test_permute_quant_no_tokens(way):
     x = torch.empty(0, 2048, dtype=torch.bfloat16, device="cuda")

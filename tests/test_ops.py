@@ -57,13 +57,16 @@ def align(T, k, E, **kw) -> Case:
     return lambda rnd: ("align", (rnd.topk_ids(T, k, E), E), kw)
 
 
-def permute_quant(T, scale_fmt=None, with_t2r=None, ep=False) -> Case:
-    """with_t2r: None, or the dtype token_to_row is passed in; ep: half the experts not local."""
+def permute_quant(T, scale_fmt=None, with_t2r=None, ep=False, zero_padding=True) -> Case:
+    """with_t2r: None, or the dtype token_to_row is passed in; ep: half the experts not local;
+    zero_padding=False: padding rows unspecified (the CPU path still writes zeros)."""
 
     def build(rnd):
         kw = {"E_global": 8, "expert_offset": 2} if ep else {}
         _, (off, r2t, t2r, _) = _align(rnd, T, 2, 4, **kw)
         kwargs = {"scale_fmt": scale_fmt}
+        if not zero_padding:
+            kwargs["zero_padding"] = False
         if with_t2r is not None:
             kwargs["token_to_row"] = t2r.to(with_t2r)
         return "permute_quant", (rnd.randn(T, H, scale=2.0), r2t, off), kwargs
@@ -185,6 +188,7 @@ CASES: dict[str, Case] = {
     "permute_quant-t2r": permute_quant(6, with_t2r=I32),
     "permute_quant-t2r-i64-ep-ue8m0": permute_quant(5, "ue8m0", with_t2r=torch.int64, ep=True),
     "permute_quant-t2r-T0": permute_quant(0, with_t2r=I32),
+    "permute_quant-t2r-nozero": permute_quant(6, with_t2r=I32, zero_padding=False),
     "permute": permute(6),
     "permute-T0": permute(0),
     "grouped_gemm_fp8": gemm(7),
@@ -281,7 +285,8 @@ def test_matches_reference(name: str, rnd) -> None:
     op_name, args, kwargs = _build(name, rnd)
     ref_args = _clone(args)
     out = getattr(cute_moe, op_name)(*args, **kwargs)  # the functional API -> torch.ops.cute_moe
-    ref = getattr(R, f"{op_name}_ref")(*ref_args, **kwargs)
+    # zero_padding=False leaves padding rows unspecified; on the CPU they are the reference's zeros.
+    ref = getattr(R, f"{op_name}_ref")(*ref_args, **{k: v for k, v in kwargs.items() if k != "zero_padding"})
     _assert_equal(out, ref)
     if op_name == "fill_kv_cache_fp8":  # the mutated caches are the output
         assert out is None

@@ -164,6 +164,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"expert_offsets must have E \+ 1 >= 2 entries",
         ),
         (lambda g: {"scale_fmt": "UE8M0"}, ValueError, r"scale_fmt must be one of"),
+        (lambda g: {"zero_padding": "no"}, TypeError, r"zero_padding"),
         (
             lambda g: {"token_to_row": g["token_to_row"].float()},
             TypeError,

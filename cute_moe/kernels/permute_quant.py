@@ -63,7 +63,11 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
   entry; each warp ballots its 32 padding rows (``t == -1`` or outside ``[0, T)``,
   row ``< end``) and writes them one by one: 1024 zero codes (two 16-byte stores
   per lane) and 8 scales of an all-zero group (taken from the quantizer itself).
-  Blocks at or past ``end`` exit at once; only padding rows are written.
+  Blocks at or past ``end`` exit at once; only padding rows are written.  Not
+  launched with ``zero_padding=False`` (``fused_moe``: its GEMMs and
+  ``silu_mul_quant`` are given align's counts and never use a padding row).  At
+  decode the zeroing is most of the kernel: ~1000 padding rows at T=1, from the 28
+  CTAs that M_cap = 1024 gives it.
 
 The two kinds write disjoint rows when the maps are each other's inverse (rows
 named by neither stay unwritten).  Bytes: x read once, every row ``< end``
@@ -199,17 +203,19 @@ def store_if(pred, addr, words, *, loc=None, ip=None) -> None:
 
 
 class TokenPermuteQuantKernel:
-    """Token-major ``permute_quant``; static configuration: input dtype, scale format, top-k ``k``."""
+    """Token-major ``permute_quant``; static configuration: input dtype, scale format, top-k ``k``,
+    and whether the zeroing CTAs run (``zero_padding=False`` launches the gathering CTAs only)."""
 
     num_threads = 256
     rows_per_thread = 4  # token rows per thread (strided by a pass), all loaded before any math
     pad_groups = 8  # group columns per zeroing CTA: 1024 codes per row, two 16-byte stores per lane
     max_k = 32
 
-    def __init__(self, dtype, ue8m0: bool, k: int):
+    def __init__(self, dtype, ue8m0: bool, k: int, zero_padding: bool = True):
         self.dtype = dtype
         self.ue8m0 = ue8m0
         self.k = k
+        self.zero_padding_ctas = zero_padding
         self.lanes = lanes_per_group(dtype.width // 8, GROUP)
         self.elems_per_lane = GROUP // self.lanes
         self.rows_per_pass = self.num_threads // self.lanes
@@ -230,10 +236,10 @@ class TokenPermuteQuantKernel:
     def ctas(self, num_tokens, hidden, m_cap):
         """(gathering CTAs: group columns x token blocks, zeroing CTAs: column slabs x row blocks)."""
         groups = hidden // GROUP
-        return (
-            groups * cute.ceil_div(num_tokens, self.tokens_per_cta),
-            cute.ceil_div(groups, self.pad_groups) * cute.ceil_div(m_cap, self.num_threads),
-        )
+        zero = 0
+        if cutlass.const_expr(self.zero_padding_ctas):
+            zero = cute.ceil_div(groups, self.pad_groups) * cute.ceil_div(m_cap, self.num_threads)
+        return groups * cute.ceil_div(num_tokens, self.tokens_per_cta), zero
 
     @cute.jit
     def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, stream):
@@ -251,7 +257,7 @@ class TokenPermuteQuantKernel:
         end = rows_end(mOff, mQ.shape[0])
         if bid < gather:
             self.gather(mX, mT2R, mQ, mS, bid, end, tidx)
-        else:
+        elif cutlass.const_expr(self.zero_padding_ctas):
             self.zero_padding(mR2T, mQ, mS, bid - gather, end, mX.shape[0], tidx)
 
     @cute.jit
@@ -421,14 +427,15 @@ def compile_permute_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin
 
 
 @cached_compile
-def compile_permute_quant_tokens(dtype: torch.dtype, ue8m0: bool, k: int, arch: str, keep_cubin: bool = False):
+def compile_permute_quant_tokens(dtype: torch.dtype, ue8m0: bool, k: int, arch: str, keep_cubin: bool = False,
+                                 zero_padding: bool = True):  # fmt: skip
     """Compile the token-major kernel for every T, H, M_cap and E (MN-major scales: row stride 1);
-    the key adds k."""
+    the key adds k and whether padding rows are zeroed."""
     cdtype = torch_to_cutlass_dtype(dtype)
     num_tokens = cute.sym_int()
     mX, mR2T, mOff, mQ, mS = _fake_rows_io(cdtype, num_tokens, cute.sym_int(), cute.sym_int(), True)
     mT2R = fake_tensor(cutlass.Int32, (num_tokens, k), (cute.sym_int64(), cute.sym_int64()), align=4)
-    kernel = TokenPermuteQuantKernel(cdtype, ue8m0, k)
+    kernel = TokenPermuteQuantKernel(cdtype, ue8m0, k, zero_padding)
     return compile_kernel(kernel, mX, mT2R, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
@@ -448,12 +455,15 @@ def _nonempty_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def permute_quant_cuda(
-    x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None, token_to_row=None
-):
+    x: torch.Tensor, row_to_token: torch.Tensor, expert_offsets: torch.Tensor, scale_fmt=None, token_to_row=None,
+    zero_padding: bool = True,
+):  # fmt: skip
     """Launch on x's device and current stream; inputs already validated by the op layer.
 
     With ``token_to_row`` the token-major kernel runs (the row-major one for a top-k outside
-    [1, 32]); without it the row-major one.  Both write the same outputs."""
+    [1, 32]); without it the row-major one.  Both write the same outputs.  ``zero_padding=False``
+    leaves the padding rows unwritten in the token-major kernel (the row-major one writes them
+    anyway: it quantizes a padding row in the same pass as a routed one)."""
     m_cap, hidden = row_to_token.shape[0], x.shape[1]
     a, a_scale = checked_outputs(
         "permute_quant", "x", x, PermuteQuantKernel.can_implement(x.dtype, hidden), m_cap, hidden
@@ -473,7 +483,7 @@ def permute_quant_cuda(
     t2r = token_to_row if token_to_row.dtype == torch.int32 else token_to_row.to(torch.int32)
     if x.shape[0] == 0:  # no token: one placeholder token routed nowhere; the zeroing CTAs still run
         t2r = t2r.new_full((1, k), -1)
-    compile_permute_quant_tokens(x.dtype, ue8m0, k, arch)(
+    compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding)(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale
     )
     return a, a_scale
@@ -513,6 +523,13 @@ def inspect_variants(arch: str):
                 0,
             )
             for k, fmt in ((8, "none"), (8, "ue8m0"), (20, "none"))
+        ]
+        + [
+            (
+                "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]",
+                compile_permute_quant_tokens(torch.bfloat16, False, 8, arch, True, False),
+                0,
+            )
         ]
         + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
     )
