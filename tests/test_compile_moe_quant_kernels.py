@@ -83,6 +83,7 @@ def test_permute_quant_sass(arch):
         "permute_quant[bfloat16, scale_fmt=none]",
         "permute_quant[bfloat16, scale_fmt=ue8m0]",
         *(f"permute_quant[bfloat16, token-major, k={k}, scale_fmt={f}]" for k, f in TOKEN_MAJOR),
+        NO_ZEROING,
         "permute[float8_e4m3fn]",
     ]
     for fmt in ("none", "ue8m0"):
@@ -98,6 +99,22 @@ def test_permute_quant_sass(arch):
     assert "F2FP" not in permute["sass_counts"] and "LDGSTS" not in permute["sass_counts"]
     assert _count(ops, "LDG.E.128") == 4 and _last(ops, "LDG.E.128") < _first(ops, "STG")
     assert 0 < permute["registers"] <= 72
+
+
+NO_ZEROING = "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_permute_quant_token_major_without_zeroing_sass(arch):
+    """zero_padding=False compiles the gathering CTAs alone: the same 8 code stores per row, no
+    zeroing stores, no ballot, no row_to_token load."""
+    k = next(k for k in _report("cute_moe.kernels.permute_quant", arch) if k["variant"] == NO_ZEROING)
+    counts, ops = k["sass_counts"], k["opcodes"]
+    rows = 4
+    assert _count(ops, "LDG.E.128") == rows and _count(ops, "STG.E.64") == rows * 8
+    assert ops.count("LDG.E") == 1 + rows, "expert_offsets[-1] and token_to_row only"
+    assert ops.count("STG.E") == rows
+    assert "STG.E.128" not in ops and "VOTE" not in counts
 
 
 @pytest.mark.parametrize("arch", ARCHS)
