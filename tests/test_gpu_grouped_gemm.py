@@ -272,6 +272,10 @@ CASES = {
     "dsv3_w13_E256_decode": (256, 4096, 7168, lambda s: routing_from_counts(decode_counts(256, random.Random(s)))),
     "dsv3_w2_E256_decode": (256, 7168, 2048, lambda s: routing_from_counts(decode_counts(256, random.Random(s)))),
     "E8_N256_K1536_decode": (8, 256, 1536, lambda s: routing_from_counts(decode_counts(8, random.Random(s)))),
+    # more than 256 experts (the expert lookup's second round of 8 loads per lane), and an expert
+    # count that is not a multiple of 32
+    "E384_N512_K1024_decode": (384, 512, 1024, lambda s: routing_from_counts(decode_counts(384, random.Random(s)))),
+    "E300_N256_K512_empty": (300, 256, 512, lambda s: routing_from_counts(empty_counts(300, 40, random.Random(s)))),
     # DeepSeek-V3 decode routing: top-8 of 256 experts through align_ref
     "dsv3_w13_E256_T1": (256, 4096, 7168, lambda s: routing_from_topk(1, 8, 256, s)),
     "E256_N2112_K7168_T128": (256, 2112, 7168, lambda s: routing_from_topk(128, 8, 256, s)),
@@ -291,7 +295,7 @@ def test_grouped_gemm_fp8(case):
 
 
 @pytest.mark.parametrize("case", ["dsv3_w13_E256_T1", "dsv3_w2_E256_decode", "E8_N256_K1536_decode",
-                                  "dsv3_w13_E8_ragged", "E8_N384_K384_ragged"])  # fmt: skip
+                                  "dsv3_w13_E8_ragged", "E8_N384_K384_ragged", "E384_N512_K1024_decode"])  # fmt: skip
 def test_grouped_gemm_fp8_with_expert_counts(case):
     """With align's counts a warp group whose 64 rows are all padding skips its math: real rows as
     without counts, padding rows still zero (check_output)."""
@@ -304,6 +308,30 @@ def test_grouped_gemm_fp8_with_expert_counts(case):
     poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))
     c = gg.grouped_gemm_fp8_cuda(*p.args(), counts)
     check_output(c, p)
+
+
+@pytest.mark.parametrize("case", ["dsv3_w2_E256_decode", "dsv3_w13_E8_ragged"])
+def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case):
+    """Inside fused_moe, A's padding rows are never written (permute_quant with zero_padding=False):
+    with garbage there (NaN codes and NaN scales included), the real rows are unchanged."""
+    E, N, K, build = CASES[case]
+    seed = sum(map(ord, case)) * 7919 + 2
+    p = make_problem(E, N, K, build(seed), seed)
+    offsets = p.routing.offsets.long()
+    real = p.routing.real
+    counts = torch.stack([real[offsets[e] : offsets[e + 1]].long().sum() for e in range(E)]).to(torch.int32)
+    want = grouped_gemm_fp8_ref(*p.args())
+    pad = (~real).nonzero().flatten()
+    assert pad.numel()
+    garbage = torch.randint(0, 256, (pad.numel(), K), dtype=torch.uint8, device="cuda")
+    garbage[:, ::7] = 0x7F  # e4m3 NaN
+    p.a.view(torch.uint8)[pad] = garbage
+    p.a_scale[pad] = float("nan")
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts)
+    rows = real.nonzero().flatten()
+    got, ref = c[rows].float(), want[rows].float()
+    assert not got.isnan().any()
+    assert ((got - ref).norm() / ref.norm()).item() <= REL_L2
 
 
 def test_grouped_gemm_fp8_op_runs_this_kernel():

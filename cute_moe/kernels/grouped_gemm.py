@@ -14,7 +14,8 @@ from ..compiler import arch_of_device
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None) -> torch.Tensor:
     """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding; the sm_100a kernel
-    computes every row (its output on padding rows is then the padding rows' product, zero)."""
+    computes every row.  Either way padding rows of the output are unspecified: zero when A's
+    padding rows are (``permute_quant``'s default), anything when they were left unwritten."""
     arch = arch_of_device(a.device)
     if arch == "sm_90a":
         from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda as launch

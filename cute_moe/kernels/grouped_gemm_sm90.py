@@ -470,8 +470,8 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     """Launch on a's device and current stream; inputs validated by the op layer.
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
-    a warp group whose 64 rows of a tile are all past the count skips its math (their output is
-    zero).  ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored)."""
+    a warp group whose 64 rows of a tile are all past the count skips its math (those rows come out
+    zero; other padding rows are A's padding rows' product).  ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored)."""
     has_counts = expert_counts is not None
     return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled, has_counts), CLUSTER_N,
                   a, a_scale, b, b_scale, expert_offsets, (expert_counts if has_counts else expert_offsets,))  # fmt: skip

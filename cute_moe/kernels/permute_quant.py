@@ -481,7 +481,7 @@ def permute_quant_cuda(
     # the debug mode names it before the narrowing could hide it.
     debug_check_index_range("permute_quant", "token_to_row", token_to_row, m_cap)
     t2r = token_to_row if token_to_row.dtype == torch.int32 else token_to_row.to(torch.int32)
-    if x.shape[0] == 0:  # no token: one placeholder token routed nowhere; the zeroing CTAs still run
+    if x.shape[0] == 0:  # no token: one placeholder token routed nowhere (the zeroing CTAs, if any, still run)
         t2r = t2r.new_full((1, k), -1)
     compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding)(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale
