@@ -22,9 +22,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import torch
-from cutlass import Int32
+from cutlass import Float32, Int32
 
-from ..compiler import arch_of_device_index
+from ..compiler import arch_of_device_index, fake_tensor
 
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
@@ -161,6 +161,21 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
                 next_expert = next_visit_expert(mOff, num_experts, lane, tile, tile_stride, n_groups, rank)
         expert = next_expert
     scale_pipe.producer_tail(state)
+
+
+def fake_operands():
+    """(A, B, a_scale, b_scale, expert_offsets, C) as both kernels are compiled for them: every
+    extent symbolic (one binary per kernel for all problems), A and B K-major uint8 codes with
+    16-byte aligned rows, a_scale MN-major with a 16-byte base and column stride (one cp.async
+    per 4 rows), b_scale with a unit last stride, C bf16 with 16-byte aligned rows."""
+    m_cap, n, k, e, k_blocks, n_blocks = (cute.sym_int() for _ in range(6))
+    mA = fake_tensor(cutlass.Uint8, (m_cap, k), (cute.sym_int64(divisibility=16), 1))
+    mB = fake_tensor(cutlass.Uint8, (n, k, e), (cute.sym_int64(divisibility=16), 1, cute.sym_int64(divisibility=16)))
+    mSA = fake_tensor(Float32, (m_cap, k_blocks), (1, cute.sym_int64(divisibility=4)), align=16)
+    mSB = fake_tensor(Float32, (e, n_blocks, k_blocks), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
+    mOff = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
+    mC = fake_tensor(cutlass.BFloat16, (m_cap, n), (cute.sym_int64(divisibility=8), 1), align=16)
+    return mA, mB, mSA, mSB, mOff, mC
 
 
 def can_implement(m_cap: int, n: int, k: int) -> str | None:

@@ -127,9 +127,10 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, tcgen05
 from cutlass.tensor_utils import LayoutEnum
 
-from ..compiler import cached_compile, compile_kernel, fake_tensor
+from ..compiler import cached_compile, compile_kernel
 from .grouped_gemm_schedule import (
-    CLUSTER_N, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, launch, load_scales, tile_coords, valid_tiles,
+    CLUSTER_N, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, fake_operands, launch, load_scales, tile_coords,
+    valid_tiles,
 )  # fmt: skip
 
 EPI_N = 32  # epilogue sub-tile: 128 x 32 bf16 (8 KB), one TMA store each
@@ -483,14 +484,7 @@ class GroupedGemmFp8Sm100:
 @cached_compile
 def compile_grouped_gemm_fp8_sm100(arch: str, keep_cubin: bool = False):
     """One binary for every M_cap, N, K, expert count, routing and grid size."""
-    m_cap, n, k, e, k_blocks, n_blocks = (cute.sym_int() for _ in range(6))
-    mA = fake_tensor(cutlass.Uint8, (m_cap, k), (cute.sym_int64(divisibility=16), 1))
-    mB = fake_tensor(cutlass.Uint8, (n, k, e), (cute.sym_int64(divisibility=16), 1, cute.sym_int64(divisibility=16)))
-    # 16-byte aligned base and a column stride of whole 16-byte groups: one cp.async per 4 rows.
-    mSA = fake_tensor(Float32, (m_cap, k_blocks), (1, cute.sym_int64(divisibility=4)), align=16)
-    mSB = fake_tensor(Float32, (e, n_blocks, k_blocks), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
-    mOff = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
-    mC = fake_tensor(cutlass.BFloat16, (m_cap, n), (cute.sym_int64(divisibility=8), 1))
+    mA, mB, mSA, mSB, mOff, mC = fake_operands()
     return compile_kernel(
         GroupedGemmFp8Sm100(), mA, mB, mSA, mSB, mOff, mC, Int32(1), arch=arch, keep_cubin=keep_cubin
     )

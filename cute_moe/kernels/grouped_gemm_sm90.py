@@ -52,7 +52,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, launch, load_scales,
+    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, fake_operands, launch, load_scales,
     next_visit_expert, tile_coords, valid_tiles,
 )  # fmt: skip
 
@@ -454,13 +454,7 @@ class GroupedGemmFp8Sm90:
 @cached_compile
 def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False):
     """One binary for every M_cap, N, K, expert count and routing."""
-    m_cap, n, k, e, k_blocks, n_blocks = (cute.sym_int() for _ in range(6))
-    mA = fake_tensor(cutlass.Uint8, (m_cap, k), (cute.sym_int64(divisibility=16), 1))
-    mB = fake_tensor(cutlass.Uint8, (n, k, e), (cute.sym_int64(divisibility=16), 1, cute.sym_int64(divisibility=16)))
-    mSA = fake_tensor(Float32, (m_cap, k_blocks), (1, cute.sym_int64(divisibility=4)), align=16)
-    mSB = fake_tensor(Float32, (e, n_blocks, k_blocks), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
-    mOff = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
-    mC = fake_tensor(cutlass.BFloat16, (m_cap, n), (cute.sym_int64(divisibility=8), 1), align=16)
+    mA, mB, mSA, mSB, mOff, mC = fake_operands()
     mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
     return compile_kernel(GroupedGemmFp8Sm90(block_scaled, has_counts), mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1),
                           arch=arch, keep_cubin=keep_cubin)  # fmt: skip
