@@ -71,14 +71,30 @@ def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 25
     return lambda: cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=token_to_row if token_major else None)
 
 
+def _silu(t: int = 16384, e: int = 256, k: int = 8, inter: int = 2048):
+    """silu_mul_quant as fused_moe calls it (align's counts), DeepSeek-V3 uniform top-8."""
+    from cute_moe.reference import align_ref
+
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
+    offsets, row_to_token, _, counts = align_ref(ids, e, 128)
+    h = torch.randn(row_to_token.shape[0], 2 * inter, device="cuda", dtype=torch.bfloat16)
+    counts = counts.to(torch.int32)
+    return lambda: cute_moe.silu_mul_quant(h, offsets, expert_counts=counts)
+
+
 TARGETS = {
     "permute_quant_tokens": lambda: _permute_quant(True),
     "permute_quant_rows": lambda: _permute_quant(False),
+    "silu_16384": _silu,
     "gemm_w13": lambda: _gemm(4096, 7168),
     "gemm_w2": lambda: _gemm(7168, 2048),
     "gemm_w13_t1": lambda: _gemm_decode(4096, 7168),
     "gemm_w2_t1": lambda: _gemm_decode(7168, 2048),
+    "gemm_w13_t8192": lambda: _gemm_decode(4096, 7168, 8192),
+    "gemm_w13_g256": lambda: _gemm(4096, 7168, 256, 256),
     "layer_t1": _layer,
+    "layer_t4096": lambda: _layer(4096),
+    "layer_t8192": lambda: _layer(8192),
     "kv_llama_prefill": lambda: _kv(8, 128, True),
     "kv_mla_prefill": lambda: _kv(1, 512, False),
     "quant_16384": _quant,

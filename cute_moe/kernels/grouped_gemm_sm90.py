@@ -263,8 +263,12 @@ class GroupedGemmFp8Sm90:
             # The visit's segment record (start, end, count) came with its first stage's scales.
             scale_pipe.consumer_wait(self._state(r_idx, r_ph))
             seg_start, seg_end = sSeg[0, r_idx], sSeg[1, r_idx]
-            misaligned = (seg_start % TILE_M) | (seg_end % TILE_M)  # used by the epilogue
-            acc.fill(0.0)
+            # A tile of a segment that breaks the 128-row alignment comes out NaN (never a plausible
+            # wrong answer): its accumulator starts as NaN, which every promotion keeps.
+            acc_init = Float32(0.0)
+            if (seg_start % TILE_M) | (seg_end % TILE_M) != 0:
+                acc_init = Float32(float("nan"))
+            acc.fill(acc_init)
             # With expert counts, a warp group whose 64 rows are all padding only keeps the
             # pipelines in step (decode: one real row per expert halves the tensor-core work).
             busy = True
@@ -281,7 +285,7 @@ class GroupedGemmFp8Sm90:
             else:
                 r_idx, r_ph = self.idle_k_loop(ab_pipe, scale_pipe, k_tiles, r_idx, r_ph)
                 d_idx, d_ph = r_idx, r_ph
-            self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, misaligned, math_tidx)
+            self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, math_tidx)
         if math_tidx // 32 == 0:
             epi[-1].producer_tail()
 
@@ -423,12 +427,9 @@ class GroupedGemmFp8Sm90:
         return copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC, store_pipe
 
     @cute.jit
-    def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, misaligned, math_tidx):
-        """bf16 sub-tiles of 128 x 32: registers -> shared memory (stmatrix) -> TMA store.  A tile of
-        a segment that breaks the 128-row alignment is written as NaN."""
+    def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
+        """bf16 sub-tiles of 128 x 32: registers -> shared memory (stmatrix) -> TMA store."""
         copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC, store_pipe = epi
-        if misaligned != 0:
-            acc.fill(float("nan"))
         gC = cute.zipped_divide(cute.local_tile(mC, (TILE_M, TILE_N), (m_tile, n_tile)), (TILE_M, EPI_N))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC)
         rD = cute.make_rmem_tensor(sub_shape, Float32)
