@@ -273,7 +273,11 @@ class GroupedGemmFp8Sm90:
             # pipelines in step (decode: one real row per expert halves the tensor-core work).
             busy = True
             if cutlass.const_expr(self.has_counts):
-                busy = sSeg[2, r_idx] - (m_tile * TILE_M - seg_start) > (math_tidx // 128) * (TILE_M // 2)
+                rows_left = sSeg[2, r_idx] - (m_tile * TILE_M - seg_start)
+                # Warp-uniform as the compiler sees it: a branch it must treat as divergent keeps
+                # the K loop off the uniform datapath (WGMMA descriptors built in vector registers
+                # and moved by R2UR, convergence barriers around each block).
+                busy = cute.arch.make_warp_uniform(Int32(rows_left > (math_tidx // 128) * (TILE_M // 2))) != 0
             if cutlass.const_expr(not self.block_scaled):
                 r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx,
                                                                 r_ph, d_idx, d_ph)  # fmt: skip
