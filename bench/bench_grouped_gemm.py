@@ -25,7 +25,9 @@ Implementations (each row of the table):
 Shapes (issue 3): DeepGEMM's contiguous set G=4 x M=8192 and G=8 x M=4096 per group, EP-style
 G=32 x M=512, and DeepSeek-V3 decode routing (uniform random top-8 of 256 experts through
 ``align_ref``, segments padded to 128 rows) for T in {1, 16, 128, 1024}; each with
-N x K in {4096 x 7168, 7168 x 2048}.
+N x K in {4096 x 7168, 7168 x 2048}.  Beyond the issue: the same routing at T=8192 ("routed"),
+the GEMMs of a prefill MoE layer: ~256 rows per expert, so every expert's weights serve only
+2-3 M tiles (the contiguous shapes reuse them over 4-64).
 
 Counting: FLOPs = 2 * routed rows * N * K (padding rows excluded), for every implementation
 (the dense peer: its own M).  Bytes = minimal HBM traffic: the activation rows up to
@@ -54,6 +56,7 @@ FP8 = torch.float8_e4m3fn
 NK = ((4096, 7168), (7168, 2048))  # DeepSeek-V3: w13 (2I x H) and w2 (H x I)
 DSV3_EXPERTS, DSV3_TOPK = 256, 8
 DECODE_TOKENS = (1, 16, 128, 1024)
+ROUTED_TOKENS = (8192,)  # prefill through the same routing
 IMPLS = ("cute_moe", "cute_moe_unscaled", "cublas_block", "scaled_grouped", "bf16_grouped")
 
 
@@ -71,12 +74,12 @@ def _round_up(a: int, b: int = BLOCK) -> int:
 @dataclass
 class Shape:
     name: str
-    kind: str  # contiguous | ep | decode
+    kind: str  # contiguous | ep | decode | routed (decode's routing at prefill size)
     E: int
     N: int
     K: int
     rows_per_group: int = 0  # contiguous / ep
-    tokens: int = 0  # decode
+    tokens: int = 0  # decode, routed
 
 
 def shapes() -> list[Shape]:
@@ -86,6 +89,7 @@ def shapes() -> list[Shape]:
                 Shape(f"G8xM4096 {N}x{K}", "contiguous", 8, N, K, rows_per_group=4096),
                 Shape(f"G32xM512 {N}x{K}", "ep", 32, N, K, rows_per_group=512)]  # fmt: skip
         out += [Shape(f"decode T={t} {N}x{K}", "decode", DSV3_EXPERTS, N, K, tokens=t) for t in DECODE_TOKENS]
+        out += [Shape(f"routed T={t} {N}x{K}", "routed", DSV3_EXPERTS, N, K, tokens=t) for t in ROUTED_TOKENS]
     return out
 
 
@@ -128,7 +132,7 @@ class Problem:
 
 
 def make_problem(s: Shape) -> Problem:
-    if s.kind == "decode":
+    if s.kind in ("decode", "routed"):
         ids = torch.rand(s.tokens, s.E, device="cuda").argsort(dim=1)[:, :DSV3_TOPK].to(torch.int32)
         offsets, row_to_token, _, counts_t = align_ref(ids, s.E, BLOCK)
         counts, m_cap = counts_t.tolist(), row_to_token.shape[0]
@@ -376,7 +380,7 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
         return
     impls = [i for i in IMPLS if any(r["impl"] == i and r["us"] is not None for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(16, 6))
-    for ax, kinds, key, ylabel in ((axes[0], ("contiguous", "ep"), "tflops", "TFLOPS"),
+    for ax, kinds, key, ylabel in ((axes[0], ("contiguous", "ep", "routed"), "tflops", "TFLOPS"),
                                    (axes[1], ("decode",), "weight_gbs", "expert-weight GB/s")):  # fmt: skip
         names = list(dict.fromkeys(r["shape"] for r in rows if r["kind"] in kinds))
         width = 0.8 / max(1, len(impls))
