@@ -1,7 +1,8 @@
 """grouped_gemm_fp8 on the GPU beside torch's built-ins, same run: µs, TFLOPS, GB/s, share of
 the measured copy bandwidth; a table, a JSON file and a PNG.
 
-    python bench/bench_grouped_gemm.py [--no-kernel] [--no-promotion] [--only SUBSTR] [--reps N] [--json PATH] [--png PATH]
+    python bench/bench_grouped_gemm.py [--no-kernel] [--no-promotion] [--both-clusters] [--only SUBSTR] [--reps N]
+                                       [--json PATH] [--png PATH]
 
 Implementations (each row of the table):
 
@@ -10,6 +11,9 @@ Implementations (each row of the table):
                       does; left out with ``--no-kernel``.
 * ``cute_moe_unscaled`` (``--no-promotion``) the same kernel, tiles and pipeline with the block scales
                       dropped (one accumulator, no promotion): what the promotion costs, measured.
+* ``cute_moe_pairs_n`` / ``cute_moe_pairs_m`` (``--both-clusters``) the kernel with its cluster
+                      direction forced (pairs of N tiles sharing A / of M tiles sharing B), to check
+                      the shape heuristic ``cluster_along_m`` that ``cute_moe`` follows.
 * ``cublas_block``    ``torch._scaled_mm`` with blockwise 1x128 / 128x128 f32 scales (cuBLAS), a *dense*
                       GEMM with the same FLOPs: M = all routed rows (decode: rounded up to 16),
                       one expert's N x K weight.  Convention (torch 2.9-2.11): ``scale_a`` [M, K/128]
@@ -25,9 +29,9 @@ Implementations (each row of the table):
 Shapes (issue 3): DeepGEMM's contiguous set G=4 x M=8192 and G=8 x M=4096 per group, EP-style
 G=32 x M=512, and DeepSeek-V3 decode routing (uniform random top-8 of 256 experts through
 ``align_ref``, segments padded to 128 rows) for T in {1, 16, 128, 1024}; each with
-N x K in {4096 x 7168, 7168 x 2048}.  Beyond the issue: the same routing at T=8192 ("routed"),
-the GEMMs of a prefill MoE layer: ~256 rows per expert, so every expert's weights serve only
-2-3 M tiles (the contiguous shapes reuse them over 4-64).
+N x K in {4096 x 7168, 7168 x 2048}.  Beyond the issue: the same routing at T=4096 and 8192 ("routed"),
+the GEMMs of a prefill MoE layer: ~128 / ~256 rows per expert, so every expert's weights serve
+only 1-3 M tiles (the contiguous shapes reuse them over 4-64).
 
 Counting: FLOPs = 2 * routed rows * N * K (padding rows excluded), for every implementation
 (the dense peer: its own M).  Bytes = minimal HBM traffic: the activation rows up to
@@ -56,8 +60,9 @@ FP8 = torch.float8_e4m3fn
 NK = ((4096, 7168), (7168, 2048))  # DeepSeek-V3: w13 (2I x H) and w2 (H x I)
 DSV3_EXPERTS, DSV3_TOPK = 256, 8
 DECODE_TOKENS = (1, 16, 128, 1024)
-ROUTED_TOKENS = (8192,)  # prefill through the same routing
-IMPLS = ("cute_moe", "cute_moe_unscaled", "cublas_block", "scaled_grouped", "bf16_grouped")
+ROUTED_TOKENS = (4096, 8192)  # prefill through the same routing
+IMPLS = ("cute_moe", "cute_moe_unscaled", "cute_moe_pairs_n", "cute_moe_pairs_m",
+         "cublas_block", "scaled_grouped", "bf16_grouped")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -300,6 +305,12 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
         us, how = _time(timer, lambda: fn(*args), reps)
         row("cute_moe_unscaled", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, "no scale promotion")
 
+    for impl in ("cute_moe_pairs_n", "cute_moe_pairs_m"):
+        if impl in impls:
+            args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
+            us, how = _time(timer, lambda: impls[impl](*args), reps)
+            row(impl, us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, "cluster direction forced")
+
     if "cublas_block" in impls:
         if scaled_mm_layout is None:
             row("cublas_block", None, None, 0, 0, 0, impls["cublas_block"])
@@ -357,15 +368,15 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
 
 def print_table(rows: list[dict], copy_gbs: float) -> None:
     cublas = {r["shape"]: r.get("tflops") for r in rows if r["impl"] == "cublas_block"}
-    print(f"{'shape':>26} {'impl':>15} {'us':>9} {'TFLOPS':>8} {'GB/s':>7} {'w GB/s':>7} {'%copy':>6} "
+    print(f"{'shape':>26} {'impl':>17} {'us':>9} {'TFLOPS':>8} {'GB/s':>7} {'w GB/s':>7} {'%copy':>6} "
           f"{'x cuBLAS':>8}  note")  # fmt: skip
     for r in rows:
         if r["us"] is None:
-            print(f"{r['shape']:>26} {r['impl']:>15} {'—':>9}  {r['note'][:100]}")  # full text: probes, JSON
+            print(f"{r['shape']:>26} {r['impl']:>17} {'—':>9}  {r['note'][:100]}")  # full text: probes, JSON
             continue
         ref = cublas.get(r["shape"])
         vs = f"{r['tflops'] / ref:8.2f}" if ref else f"{'':>8}"
-        print(f"{r['shape']:>26} {r['impl']:>15} {r['us']:>9.1f} {r['tflops']:>8.0f} {r['gbs']:>7.0f} "
+        print(f"{r['shape']:>26} {r['impl']:>17} {r['us']:>9.1f} {r['tflops']:>8.0f} {r['gbs']:>7.0f} "
               f"{r['weight_gbs']:>7.0f} {100 * r['gbs'] / copy_gbs:>6.1f} {vs}  {r['note']}")  # fmt: skip
 
 
@@ -406,6 +417,8 @@ def main() -> None:
     parser.add_argument("--no-kernel", action="store_true", help="bench only the torch peers (no cute_moe kernel)")
     parser.add_argument("--no-promotion", action="store_true",
                         help="also run cute_moe's kernel with the block scales dropped (same tiles)")
+    parser.add_argument("--both-clusters", action="store_true",
+                        help="also run cute_moe's kernel with either cluster direction forced")
     parser.add_argument("--only", default=None, help="only shapes whose name contains this substring")
     parser.add_argument("--reps", type=int, default=100)
     args = parser.parse_args()
@@ -422,6 +435,9 @@ def main() -> None:
         impls["cute_moe"] = grouped_gemm_fp8_cuda
         if args.no_promotion:
             impls["cute_moe_unscaled"] = lambda *a: grouped_gemm_fp8_cuda(*a, block_scaled=False)
+        if args.both_clusters:
+            impls["cute_moe_pairs_n"] = lambda *a: grouped_gemm_fp8_cuda(*a, along_m=False)
+            impls["cute_moe_pairs_m"] = lambda *a: grouped_gemm_fp8_cuda(*a, along_m=True)
     layout, msg_mm = probe_scaled_mm_blockwise()
     impls["cublas_block"] = msg_mm
     ok_sg, msg_sg = probe_scaled_grouped_mm()

@@ -45,6 +45,8 @@ import torch
 
 from cute_moe.reference import align_ref, grouped_gemm_fp8_ref, quant_block_128x128_ref, quant_fp8_ref
 
+from cute_moe.kernels.grouped_gemm_schedule import cluster_along_m
+
 from .moe_cases import poison_pools
 
 gg = pytest.importorskip("cute_moe.kernels.grouped_gemm_sm90")
@@ -238,10 +240,10 @@ def check_output(c: torch.Tensor, p: Problem, ref: torch.Tensor | None = None) -
     )
 
 
-def run_checked(p: Problem) -> torch.Tensor:
+def run_checked(p: Problem, along_m: bool | None = None) -> torch.Tensor:
     """One call with C from a poisoned allocator, checked against the reference."""
     poison_pools(max(256 << 20, p.a.shape[0] * p.b.shape[1] * 2 + (64 << 20)))
-    c = gg.grouped_gemm_fp8_cuda(*p.args())
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), along_m=along_m)
     check_output(c, p)
     return c
 
@@ -287,16 +289,23 @@ CASES = {
 }  # fmt: skip
 
 
+# Both cluster directions on every case: pairs of N tiles sharing A, pairs of M tiles sharing B
+# (which the heuristic picks only for prefill MoE shapes).
+ALONG = pytest.mark.parametrize("along_m", [False, True], ids=["pairs_n", "pairs_m"])
+
+
+@ALONG
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_gemm_fp8(case):
+def test_grouped_gemm_fp8(case, along_m):
     E, N, K, build = CASES[case]
     seed = sum(map(ord, case)) * 7919
-    run_checked(make_problem(E, N, K, build(seed), seed))
+    run_checked(make_problem(E, N, K, build(seed), seed), along_m)
 
 
 @pytest.mark.parametrize("case", ["dsv3_w13_E256_T1", "dsv3_w2_E256_decode", "E8_N256_K1536_decode",
                                   "dsv3_w13_E8_ragged", "E8_N384_K384_ragged", "E384_N512_K1024_decode"])  # fmt: skip
-def test_grouped_gemm_fp8_with_expert_counts(case):
+@ALONG
+def test_grouped_gemm_fp8_with_expert_counts(case, along_m):
     """With align's counts a warp group whose 64 rows are all padding skips its math: real rows as
     without counts, padding rows still zero (check_output)."""
     E, N, K, build = CASES[case]
@@ -306,12 +315,13 @@ def test_grouped_gemm_fp8_with_expert_counts(case):
     real = p.routing.real.long()
     counts = torch.stack([real[offsets[e] : offsets[e + 1]].sum() for e in range(E)]).to(torch.int32)
     poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))
-    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, along_m=along_m)
     check_output(c, p)
 
 
 @pytest.mark.parametrize("case", ["dsv3_w2_E256_decode", "dsv3_w13_E8_ragged"])
-def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case):
+@ALONG
+def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, along_m):
     """Inside fused_moe, A's padding rows are never written (permute_quant with zero_padding=False):
     with garbage there (NaN codes and NaN scales included), the real rows are unchanged."""
     E, N, K, build = CASES[case]
@@ -327,7 +337,7 @@ def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case):
     garbage[:, ::7] = 0x7F  # e4m3 NaN
     p.a.view(torch.uint8)[pad] = garbage
     p.a_scale[pad] = float("nan")
-    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, along_m=along_m)
     rows = real.nonzero().flatten()
     got, ref = c[rows].float(), want[rows].float()
     assert not got.isnan().any()
@@ -418,7 +428,7 @@ def test_grouped_gemm_fp8_routing_is_not_compiled_in():
 
 
 # regime -> (E, N, K, first routing, later routings (same M_cap))
-def _prefill_graph_case():
+def _prefill_graph_case(k: int = 2048):
     E, m_cap = 8, 8 * (_round_up(int(512 * 1.3)) + BLOCK)
     later = [
         routing_from_counts(deepgemm_counts(E, 512, random.Random(32)), m_cap=m_cap),
@@ -427,7 +437,8 @@ def _prefill_graph_case():
         routing_from_counts([0] * E, m_cap=m_cap),
         routing_from_counts(deepgemm_counts(E, 400, random.Random(34)), m_cap=m_cap),
     ]
-    return E, 7168, 2048, routing_from_counts(deepgemm_counts(E, 512, random.Random(31)), m_cap=m_cap), later
+    n = 7168 if k == 2048 else 2112
+    return E, n, k, routing_from_counts(deepgemm_counts(E, 512, random.Random(31)), m_cap=m_cap), later
 
 
 def _decode_graph_case():
@@ -436,10 +447,13 @@ def _decode_graph_case():
     return 256, 4096, 7168, routing_from_topk(16, 8, 256, 41), later
 
 
-@pytest.mark.parametrize("regime", ["prefill", "decode"])
+@pytest.mark.parametrize("regime", ["prefill", "prefill_k4096", "decode"])
 def test_grouped_gemm_fp8_side_stream_and_cuda_graph(regime):
-    E, N, K, first, later = _prefill_graph_case() if regime == "prefill" else _decode_graph_case()
-    p = make_problem(E, N, K, first, seed=51 if regime == "prefill" else 52)
+    """prefill_k4096 is a shape whose launches pair M tiles (cluster_along_m), the others N tiles."""
+    E, N, K, first, later = _decode_graph_case() if regime == "decode" else _prefill_graph_case(
+        4096 if regime == "prefill_k4096" else 2048)
+    assert cluster_along_m(first.m_cap, E, K) == (regime == "prefill_k4096")
+    p = make_problem(E, N, K, first, seed=sum(map(ord, regime)))
     run_checked(p)  # compiles before capture
 
     stream = torch.cuda.Stream()

@@ -88,3 +88,65 @@ def test_prepare_a_scale_takes_only_mn_major():
     for bad in (torch.empty(m, 2), torch.arange(2.0 * m).reshape(m, 2)[:, :1], torch.ones(1, 1).expand(m, 1)):
         with pytest.raises(ValueError, match="a_scale must be MN-major"):
             gs.prepare_a_scale(bad)
+
+
+@pytest.mark.parametrize("band_pairs", [1, gs.PAIRS_PER_BAND])
+@pytest.mark.parametrize("seed", range(30))
+def test_pair_schedule_covers_every_tile_once(seed, band_pairs):
+    """The sm90 schedule: clusters of 2 CTAs on M tiles 2i, 2i + 1 of one N tile, in lockstep; every
+    tile below expert_offsets[-1] visited once, inside its expert's segment; a pair of one expert
+    shares its weight tile; the only tile past the end is an odd count's last, with its partner's
+    expert."""
+    rng = random.Random(seed)
+    for name, counts, spare in _routings(rng):
+        offsets = _padded_offsets(counts)
+        m_cap = offsets[-1] + spare
+        if m_cap == 0:
+            continue
+        n = rng.choice([128, 256, 384, 2112, 4096, 7168, 8, 200])
+        num_sms = rng.choice([132, 148, 16, 2])
+        plan = gs.pair_tile_schedule(offsets, m_cap, n, num_sms, band_pairs)
+        grid = gs.pair_launch_grid(m_cap, n, num_sms)
+        n_tiles = -(-n // gs.TILE_N)
+        m_tiles = offsets[-1] // gs.TILE_M
+        assert len(plan) == grid == 2 * min(num_sms // 2, max(1, -(-(m_cap // gs.TILE_M) // 2) * n_tiles)), name
+        seen = {}
+        for cta in range(0, grid, 2):
+            first, second = plan[cta], plan[cta + 1]
+            assert [(m // 2, nt, s) for m, nt, _, s in first] == [(m // 2, nt, s) for m, nt, _, s in second], name
+            for (m0, nt, e0, shared), (m1, _, e1, _) in zip(first, second):
+                assert (m0 % 2, m1) == (0, m0 + 1) and shared == (e0 == e1), name
+        for visits in plan:
+            for m_tile, n_tile, expert, _ in visits:
+                assert n_tile < n_tiles
+                if m_tile >= m_tiles:  # the odd count's last pair: partner's expert, nothing to compute
+                    assert m_tile == m_tiles and m_tiles % 2 == 1
+                    continue
+                assert (m_tile, n_tile) not in seen, f"{name}: tile {(m_tile, n_tile)} visited twice"
+                seen[(m_tile, n_tile)] = expert
+                lo, hi = offsets[expert], offsets[expert + 1]
+                assert lo <= m_tile * gs.TILE_M and (m_tile + 1) * gs.TILE_M <= hi, f"{name}: tile {m_tile} not in {expert}"
+        assert set(seen) == {(m, nt) for m in range(m_tiles) for nt in range(n_tiles)}, name
+
+
+def test_pair_band_order():
+    """Inside a band of pairs the cluster after a cluster takes the next pair of the same N tile (so
+    an expert's M tiles read each weight tile together); bands of one pair walk N first."""
+    assert [gs.pair_band_coords(v, 3, 10, 4) for v in range(6)] == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1)]
+    assert [gs.pair_band_coords(v, 3, 10, 1) for v in range(4)] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    # the last, shorter band (pairs 8 and 9)
+    assert [gs.pair_band_coords(v, 3, 10, 4) for v in range(24, 30)] == [(8, 0), (9, 0), (8, 1), (9, 1), (8, 2), (9, 2)]
+
+
+def test_cluster_direction_heuristic():
+    """Pairs along M (sharing weight tiles) only for a few M tiles per expert and a long K: the
+    DeepSeek-V3 w13 GEMM at T = 4096, 8192 and 16384 (align's M_cap), not its w2 (K = 2048), not
+    decode sizes (T = 128), not long contiguous segments (G4 x M8192)."""
+    def m_cap(t):
+        return -(-(8 * t + 256 * 127) // 128) * 128
+
+    assert all(gs.cluster_along_m(m_cap(t), 256, 7168) for t in (4096, 8192, 16384))
+    assert not gs.cluster_along_m(m_cap(8192), 256, 2048)
+    assert not gs.cluster_along_m(m_cap(128), 256, 7168) and not gs.cluster_along_m(m_cap(2048), 256, 7168)
+    assert not gs.cluster_along_m(4 * 8192, 4, 7168) and gs.cluster_along_m(32 * 512, 32, 7168)
+    assert not gs.cluster_along_m(0, 0, 7168)

@@ -11,11 +11,19 @@ n_tiles``: CTA ``b`` visits ``t = b, b + grid, ...`` below that bound, reading `
 device.  The expert of a tile is the number of segment ends at or below its first row (a warp
 sum).  Nothing about the routing is a compile-time constant: one binary serves every routing.
 
-``tile_schedule`` is the executable model of that arithmetic (tested on the CPU).  Also here: the
-device helpers both kernels run (expert lookup, the scale copy) and their shared host side.
+That is the schedule of the sm100 kernel, and of the sm90 kernel on most shapes.  At prefill MoE
+sizes (``cluster_along_m``) the sm90 kernel's clusters lie along M instead (``pair_tile_schedule``):
+a cluster visits M tiles 2i and 2i + 1 of one N tile, and shares the weight tile between them (TMA
+multicast) when both lie in one expert; visits are numbered in bands of ``PAIRS_PER_BAND`` pairs,
+pairs fastest, so that an expert's M tiles run side by side.
+
+``tile_schedule`` and ``pair_tile_schedule`` are the executable models of that arithmetic (tested
+on the CPU).  Also here: the device helpers both kernels run (expert lookup, the scale copy) and
+their shared host side.
 """
 from __future__ import annotations
 
+import bisect
 import functools
 
 import cutlass
@@ -29,7 +37,9 @@ from ..compiler import arch_of_device_index, fake_tensor
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
 _LOOKUP_DEPTH = 8  # segment ends a lane loads at once in expert_of_row
-CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
+CLUSTER_N = 2  # sm100: CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
+CLUSTER_M = 2  # sm90: CTAs per cluster, on M tiles 2i and 2i + 1 of one N tile: they share B when one expert
+PAIRS_PER_BAND = 4  # sm90, prefill: M-tile pairs per band of the visit order (8 M tiles)
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1) -> int:
@@ -66,18 +76,91 @@ def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
 
 
 @cute.jit
-def expert_of_row(mOff: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32) -> Int32:
-    """The expert whose segment holds ``row``: how many segment ends are <= row (a warp sum).
-
-    A lane loads 8 segment ends (every 32nd) at once, at clamped indices with no branch between
-    the loads, so that a lookup costs one global-memory round trip per 256 experts, not one per
-    32 experts."""
-    count = Int32(0)
+def _segment_ends_at_or_below(mOff: cute.Tensor, row0: Int32, row1: Int32, num_experts: Int32, lane: Int32,
+                              both: cutlass.Constexpr):  # fmt: skip
+    """How many segment ends are <= row0 (and <= row1 when ``both``), each a warp sum.  A lane
+    loads 8 segment ends (every 32nd) at once, at clamped indices with no branch between the
+    loads, so that a lookup costs one global-memory round trip per 256 experts, not one per 32."""
+    count0 = Int32(0)
+    count1 = Int32(0)
     for base in cutlass.range(0, num_experts, 32 * _LOOKUP_DEPTH, unroll=1):
         ends = [mOff[min(base + lane + 32 * j, num_experts - 1) + 1] for j in range(_LOOKUP_DEPTH)]
         for j in cutlass.range_constexpr(_LOOKUP_DEPTH):
-            count += Int32((ends[j] <= row) & (base + lane + 32 * j < num_experts))
-    return cute.arch.warp_reduction_sum(count)
+            valid = base + lane + 32 * j < num_experts
+            count0 += Int32((ends[j] <= row0) & valid)
+            if cutlass.const_expr(both):
+                count1 += Int32((ends[j] <= row1) & valid)
+    count0 = cute.arch.warp_reduction_sum(count0)
+    if cutlass.const_expr(both):
+        count1 = cute.arch.warp_reduction_sum(count1)
+    return count0, count1
+
+
+def pair_launch_grid(m_cap: int, n: int, num_sms: int) -> int:
+    """CTAs the sm90 kernel launches: clusters of 2 along M, one CTA per SM, fewer when M_cap x N
+    has fewer tile pairs."""
+    clusters = min(num_sms // 2, -(-(m_cap // TILE_M) // 2) * -(-n // TILE_N))
+    return 2 * max(1, clusters)
+
+
+def cluster_along_m(m_cap: int, num_experts: int, k: int) -> bool:
+    """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
+    the A tile): when K is long (at least 4096) and the experts average one to 16 M tiles of real
+    rows, counting M_cap less ``align``'s worst-case padding (``TILE_M - 1`` rows per expert).
+    There each expert's weights are re-read from DRAM for each of its few M tiles, which bounds the
+    kernel: at DeepSeek-V3 T = 8192 (uniform routing) pairing along M cut the w13 GEMM's DRAM
+    reads from 16.3 to 12.5 GB and its time by 8%, at T = 4096 by 6%.  It was slower at decode
+    sizes (one M tile per expert, nothing shared), on the K = 2048 w2 GEMM, and on long segments
+    (bench/NOTES.md, session 7)."""
+    real_tiles = (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * max(num_experts, 1))
+    return k >= 4096 and 1 <= real_tiles <= 16
+
+
+def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple[int, int]:
+    """(M-tile pair, N tile) of visit ``v``: bands of ``band_pairs`` pairs (the last one possibly
+    shorter), N tiles in order, pairs fastest inside a band."""
+    band, within = divmod(v, band_pairs * n_tiles)
+    rows = min(band_pairs, pairs - band * band_pairs)
+    n_tile, pair = divmod(within, rows)
+    return band * band_pairs + pair, n_tile
+
+
+def pair_tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
+                       band_pairs: int) -> list[list[tuple[int, int, int, bool]]]:  # fmt: skip
+    """The (m_tile, n_tile, expert, shared) visits of each CTA of the sm90 kernel, in order.
+
+    Cluster ``c`` (CTAs ``2c``, ``2c + 1``) visits ``v = c, c + clusters, ...`` below ``pairs *
+    n_tiles``; rank ``r`` takes M tile ``2 pair + r`` of N tile ``n_tile``.  ``shared``: both M
+    tiles lie in one expert, so the pair loads that expert's weight tile once (half per CTA, each
+    half multicast to both); otherwise each CTA loads its own.  With an odd tile count the last
+    pair's second tile lies past the end: it takes its partner's expert (so the pair shares), and
+    its rows are unspecified output."""
+    grid = pair_launch_grid(m_cap, n, num_sms)
+    end = min(expert_offsets[-1], m_cap)
+    m_tiles = -(-end // TILE_M)
+    pairs, n_tiles = -(-m_tiles // 2), -(-n // TILE_N)
+    # The expert of each M tile (segment ends <= its first row); one past the end takes the last's.
+    experts = [bisect.bisect_right(expert_offsets[1:], m * TILE_M) for m in range(m_tiles)]
+
+    def expert(m_tile: int) -> int:
+        return experts[min(m_tile, m_tiles - 1)]
+
+    out = []
+    for cta in range(grid):
+        cluster, rank = divmod(cta, 2)
+        visits = []
+        for v in range(cluster, pairs * n_tiles, grid // 2):
+            pair, n_tile = pair_band_coords(v, n_tiles, pairs, band_pairs)
+            visits.append((2 * pair + rank, n_tile, expert(2 * pair + rank), expert(2 * pair) == expert(2 * pair + 1)))
+        out.append(visits)
+    return out
+
+
+@cute.jit
+def expert_of_row(mOff: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32) -> Int32:
+    """The expert whose segment holds ``row``: how many segment ends are <= row."""
+    expert, _ = _segment_ends_at_or_below(mOff, row, row, num_experts, lane, False)
+    return expert
 
 
 @cute.jit
@@ -97,6 +180,44 @@ def next_visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: 
     per visit, which on short K loops (decode, K = 2048) was a tenth of the time."""
     m_tile, _ = tile_coords(tile + tile_stride, n_groups, rank)
     return expert_of_row(mOff, m_tile * TILE_M, num_experts, lane)
+
+
+@cute.jit
+def pair_schedule(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n: Int32, k: Int32, band_pairs: Int32,
+                  cluster: Int32, clusters: Int32, rank: Int32):  # fmt: skip
+    """The sm90 kernel's schedule tuple (first visit, visit count, stride, N tiles, K blocks, rank,
+    M tiles, pairs per band), from ``expert_offsets[-1]`` read on the device (clamped to M_cap)."""
+    end = max(min(mOff[num_experts], m_cap), 0)
+    m_tiles = (end + TILE_M - 1) // TILE_M
+    n_tiles = (n + TILE_N - 1) // TILE_N
+    return cluster, (m_tiles + 1) // 2 * n_tiles, clusters, n_tiles, k // TILE_K, rank, m_tiles, band_pairs
+
+
+@cute.jit
+def pair_coords(v: Int32, sched):
+    """(m_tile, n_tile) of this CTA's visit ``v`` (``pair_band_coords``).  A ``v`` past the last
+    visit gives some tile: never used."""
+    _, _, _, n_tiles, _, rank, m_tiles, band_pairs = sched
+    pairs = (m_tiles + 1) // 2
+    band_visits = band_pairs * n_tiles
+    band = v // band_visits
+    within = v - band * band_visits
+    rows = max(min(band_pairs, pairs - band * band_pairs), 1)
+    n_tile = within // rows
+    return 2 * (band * band_pairs + within - n_tile * rows) + rank, n_tile
+
+
+@cute.jit
+def pair_visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, v: Int32, sched):
+    """(expert of this CTA's M tile, whether its partner's tile has the same expert) for visit
+    ``v``; a tile past the last one takes its partner's expert.  Looked up one visit ahead by the
+    producer warps (see ``next_visit_expert``)."""
+    m_tile, _ = pair_coords(v, sched)
+    rank, m_tiles = sched[5], sched[6]
+    partner = m_tile + 1 - 2 * rank
+    mine, theirs = _segment_ends_at_or_below(mOff, min(m_tile, m_tiles - 1) * TILE_M,
+                                             min(partner, m_tiles - 1) * TILE_M, num_experts, lane, True)  # fmt: skip
+    return mine, mine == theirs
 
 
 @cute.jit
@@ -137,16 +258,37 @@ def copy_segment(mOff: cute.Tensor, mCnt: cute.Tensor, sSeg: cute.Tensor, expert
 
 
 @cute.jit
+def _scale_coords(tile: Int32, sched, pairs: cutlass.Constexpr):
+    """(M tile, N tile) whose scales visit ``tile`` reads: the sm100 N-group schedule, or with
+    ``pairs`` the sm90 one (a tile past the last one reads its partner's scales)."""
+    if cutlass.const_expr(pairs):
+        m_tile, n_tile = pair_coords(tile, sched)
+        return min(m_tile, sched[6] - 1), n_tile
+    return tile_coords(tile, sched[3], sched[5])
+
+
+@cute.jit
+def _visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, sched, pairs: cutlass.Constexpr):
+    """The expert of visit ``tile`` (same schedules as ``_scale_coords``)."""
+    if cutlass.const_expr(pairs):
+        expert, _ = pair_visit_expert(mOff, num_experts, lane, tile, sched)
+        return expert
+    return next_visit_expert(mOff, num_experts, lane, tile, 0, sched[3], sched[5])
+
+
+@cute.jit
 def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
-                mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None):  # fmt: skip
+                mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None,
+                pairs: cutlass.Constexpr = False):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
     stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land).
-    With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage."""
-    first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
+    With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage.  ``pairs``:
+    the sm90 schedule (``pair_coords``), else the sm100 one (``tile_coords``)."""
+    first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    expert = next_visit_expert(mOff, num_experts, lane, first_tile, 0, n_groups, rank)
+    expert = _visit_expert(mOff, num_experts, lane, first_tile, sched, pairs)
     for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-        m_tile, n_tile = tile_coords(tile, n_groups, rank)
+        m_tile, n_tile = _scale_coords(tile, sched, pairs)
         gSB = mSB[(expert, None, None)]  # (N blocks, K blocks)
         next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
@@ -158,7 +300,8 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
             scale_pipe.producer_commit(state)
             state.advance()
             if k_tile == 0:
-                next_expert = next_visit_expert(mOff, num_experts, lane, tile, tile_stride, n_groups, rank)
+                # The next visit's expert, looked up while this visit's first stage is in flight.
+                next_expert = _visit_expert(mOff, num_experts, lane, tile + tile_stride, sched, pairs)
         expert = next_expert
     scale_pipe.producer_tail(state)
 
@@ -210,10 +353,12 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets, extra=()) -> torch.Tensor:
+def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets, extra=(),
+           grid_fn=None) -> torch.Tensor:  # fmt: skip
     """The host side both kernels share: checks, the output, the grid, the call on a's device and
     current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``; ``extra``
-    are its arguments between the output and the grid size."""
+    are its arguments between the output and the grid size; ``grid_fn(M_cap, N, #SMs)`` sizes the
+    grid (default: ``launch_grid`` with ``cluster_n``)."""
     m_cap, k = a.shape
     n = b.shape[1]
     reason = can_implement(m_cap, n, k)
@@ -232,7 +377,7 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
     device_arch = arch_of_device_index(device)
     if device_arch != arch:
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
-    grid = launch_grid(m_cap, n, num_sms(device), cluster_n)
+    grid = launch_grid(m_cap, n, num_sms(device), cluster_n) if grid_fn is None else grid_fn(m_cap, n, num_sms(device))
     compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, *extra,
                grid)  # fmt: skip
     return c

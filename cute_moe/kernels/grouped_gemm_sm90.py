@@ -10,9 +10,20 @@ Each 128-wide K block's FP8 product is accumulated by WGMMA into a temporary f32
 accumulator, then promoted into the running f32 accumulator with the block's two
 scales (promotion in f32 by the CUDA cores, never in the tensor core's accumulator).
 
-Pipeline (persistent: one CTA per SM, 384 threads; schedule in ``grouped_gemm_schedule``):
+Pipeline (persistent: one CTA per SM, 384 threads, clusters of 2 CTAs; schedule in
+``grouped_gemm_schedule``).  The cluster's direction is a compile-time choice, made per launch
+from the shapes by ``cluster_along_m``:
+* pairs along N (default; ``tile_schedule``): N tiles 2j and 2j + 1 of one M tile, N fastest.
+  Each CTA loads half of the A tile and multicasts it to both.
+* pairs along M (prefill MoE: long K, 1-16 M tiles per expert; ``pair_tile_schedule``): M tiles
+  2i and 2i + 1 of one N tile, in bands of ``PAIRS_PER_BAND`` pairs.  When both are expert
+  ``e``'s, each CTA loads half of the B tile and multicasts it to both, so that the expert's
+  weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
+  re-reads otherwise bound the kernel.  A pair across two experts loads B per CTA.
+
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
-  (128 x 128) into one of ``STAGES`` shared-memory stages (``PipelineTmaAsync``).
+  (128 x 128) into one of ``STAGES`` shared-memory stages (``PipelineTmaAsync``), each by one
+  load or by halves multicast within the cluster as above.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
   so 512 contiguous bytes: 16 per lane) and its one B scale into the same stage
   index of a lockstep ``PipelineCpAsync``: asynchronous like the TMA, so a scale's
@@ -52,8 +63,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_N, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, fake_operands, launch, load_scales,
-    next_visit_expert, tile_coords, valid_tiles,
+    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
+    fake_operands, launch, load_scales, next_visit_expert, pair_coords, pair_launch_grid, pair_schedule,
+    pair_visit_expert, tile_coords, valid_tiles,
 )  # fmt: skip
 
 STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
@@ -70,12 +82,15 @@ class GroupedGemmFp8Sm90:
     num_threads = 384
     can_implement = staticmethod(can_implement)
 
-    def __init__(self, block_scaled: bool = True, has_counts: bool = False):
+    def __init__(self, block_scaled: bool = True, has_counts: bool = False, along_m: bool = False):
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
         # has_counts: the launch passes expert_counts (real rows per segment; the rest is padding).
         self.has_counts = has_counts
+        # along_m: clusters of 2 on M tiles 2i, 2i + 1 of one N tile, sharing the weight tile when both
+        # are one expert's (prefill MoE); else on N tiles 2j, 2j + 1 of one M tile, sharing the A tile.
+        self.along_m = along_m
         self.stages = STAGES
         self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4 + 12) + (
             EPI_STAGES * TILE_M * EPI_N * 2
@@ -103,19 +118,29 @@ class GroupedGemmFp8Sm90:
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
         sB_layout = self._smem_layout(TILE_N)
-        tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, cute.slice_(sA_layout, (None, None, 0)), (TILE_M, TILE_K),
-            num_multicast=CLUSTER_N,
-        )
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(sB_layout, (None, None, 0)), (TILE_N, TILE_K)
-        )
+        sA_tile, sB_tile = cute.slice_(sA_layout, (None, None, 0)), cute.slice_(sB_layout, (None, None, 0))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (TILE_N, TILE_K))
+        if cutlass.const_expr(self.along_m):
+            tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(), mA, sA_tile, (TILE_M, TILE_K)
+            )
+            # B two ways: a pair of M tiles of one expert loads the tile once (half per CTA, each half
+            # multicast to both CTAs); a pair across two experts loads it per CTA.
+            tma_b_pair, tma_mB_pair = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (TILE_N, TILE_K), num_multicast=CLUSTER_M
+            )
+            tma_b, tma_mB = (tma_b, tma_b_pair), (tma_mB, tma_mB_pair)
+        else:
+            # Each CTA loads half of the A tile and multicasts it to both.
+            tma_a, tma_mA = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, sA_tile, (TILE_M, TILE_K), num_multicast=CLUSTER_N
+            )
         c_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, EPI_N), cutlass.BFloat16
         )
         sC_layout = cute.tile_to_shape(c_atom, (TILE_M, EPI_N, EPI_STAGES), order=(0, 1, 2))
-        # The TMA store clips what lies past N (e.g. N = 2112) and writes nothing for a
-        # multicast-only visit past the last N tile.
+        # The TMA store clips what lies past N (e.g. N = 2112) or M_cap (the past-end tile of an odd pair
+        # along M), and writes nothing for a multicast-only visit past the last N tile (pairs along N).
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (TILE_M, EPI_N)
         )
@@ -132,11 +157,11 @@ class GroupedGemmFp8Sm90:
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sC_layout)], 1024]
 
         self.shared_storage = SharedStorage
-        self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout,
-                    mSA, mSB, mOff, mCnt).launch(  # fmt: skip
+        self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, mSA, mSB,
+                    mOff, mCnt).launch(  # fmt: skip
             grid=[grid_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
-            cluster=[CLUSTER_N, 1, 1],
+            cluster=[2, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
         )
@@ -151,15 +176,27 @@ class GroupedGemmFp8Sm90:
         lane = tidx % 32
         num_experts = mOff.shape[0] - 1
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-        cta_layout = cute.make_layout((1, CLUSTER_N, 1))
-        a_mcast_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=1)
-        # A cluster visits groups of CLUSTER_N adjacent N tiles (see grouped_gemm_schedule).
-        n_groups = (mC.shape[1] + TILE_N * CLUSTER_N - 1) // (TILE_N * CLUSTER_N)
-        sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
-                 n_groups, mA.shape[1] // TILE_K, rank)  # fmt: skip
+        if cutlass.const_expr(self.along_m):
+            cluster_mn = (CLUSTER_M, 1)
+            # M tiles 2i, 2i + 1 of one N tile (grouped_gemm_schedule.pair_tile_schedule); B shared.
+            sched = pair_schedule(mOff, num_experts, mC.shape[0], mC.shape[1], mA.shape[1], PAIRS_PER_BAND,
+                                  bidx // CLUSTER_M, grid // CLUSTER_M, rank)  # fmt: skip
+        else:
+            cluster_mn = (1, CLUSTER_N)
+            # N tiles 2j, 2j + 1 of one M tile (grouped_gemm_schedule.tile_schedule); A shared.
+            n_groups = (mC.shape[1] + TILE_N * CLUSTER_N - 1) // (TILE_N * CLUSTER_N)
+            sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
+                     n_groups, mA.shape[1] // TILE_K, rank)  # fmt: skip
+        cta_layout = cute.make_layout((*cluster_mn, 1))
+        shared_mode = 0 if self.along_m else 1  # the cluster mode along which a multicast tile is shared
+        mcast_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=shared_mode)
         if warp_idx == _TMA_WARP:
             cpasync.prefetch_descriptor(tma_a)
-            cpasync.prefetch_descriptor(tma_b)
+            if cutlass.const_expr(self.along_m):
+                cpasync.prefetch_descriptor(tma_b[0])
+                cpasync.prefetch_descriptor(tma_b[1])
+            else:
+                cpasync.prefetch_descriptor(tma_b)
             cpasync.prefetch_descriptor(tma_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
@@ -170,8 +207,8 @@ class GroupedGemmFp8Sm90:
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            # Every consumer warp of both CTAs frees a stage: the partner multicasts into it.
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, CLUSTER_N * _NUM_CONSUMER_WARPS),
+            # Every consumer warp of both CTAs frees a stage: the partner may multicast into it.
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _NUM_CONSUMER_WARPS),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
             defer_sync=True,
@@ -184,7 +221,7 @@ class GroupedGemmFp8Sm90:
             defer_sync=True,
         )
         # Both CTAs' barriers are initialised before either multicasts into the other.
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, CLUSTER_N), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sSA = storage.sSA.get_tensor(cute.make_layout((TILE_M, self.stages)))
@@ -192,53 +229,86 @@ class GroupedGemmFp8Sm90:
         sSeg = storage.sSeg.get_tensor(cute.make_layout((3, self.stages)))
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
 
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, CLUSTER_N))
+        pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
 
         warp_group = cute.arch.make_warp_uniform(tidx // 128)
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == _TMA_WARP:
-                self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched)
+                self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched)
             if warp_idx == _SCALE_WARP:
                 load_scales(mSA, mSB, sSA, sSB, scale_pipe, self.stages, mOff, num_experts, lane, sched,
-                            segment=(mCnt, sSeg))  # fmt: skip
+                            segment=(mCnt, sSeg), pairs=self.along_m)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, tidx - 128, sched)
 
     @cute.jit
-    def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, a_mcast_mask, sched):
-        """TMA warp: per K block, this CTA's half of the A tile (multicast to both CTAs of the
-        cluster) and expert e's B tile into one stage."""
-        first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
+    def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched):
+        """TMA warp: per K block, the A tile and expert e's B tile into one stage.  Pairs along N:
+        this CTA's half of A, multicast to both CTAs.  Pairs along M: the B tile once per pair (this
+        CTA's half, multicast to both) when both M tiles are e's, else whole."""
+        first_tile, tiles, tile_stride, k_tiles, rank = sched[0], sched[1], sched[2], sched[4], sched[5]
         gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None))  # (bM, bK, RestM, RestK)
+        sA_, sB_ = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
+        if cutlass.const_expr(self.along_m):
+            (tma_b, tma_b_pair), (mB, mB_pair) = tma_b, mB
+            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA_, cute.group_modes(gA, 0, 2))
+            gB_pair = cute.local_tile(mB_pair, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
+            tBsB_pair, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M), sB_,
+                                                         cute.group_modes(gB_pair, 0, 2))  # fmt: skip
+        else:
+            tAsA, tAgA = cpasync.tma_partition(tma_a, rank, cute.make_layout(CLUSTER_N), sA_,
+                                               cute.group_modes(gA, 0, 2))  # fmt: skip
         gB = cute.local_tile(mB, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
-        tAsA, tAgA = cpasync.tma_partition(
-            tma_a, rank, cute.make_layout(CLUSTER_N), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2)
-        )
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB_, cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        expert = next_visit_expert(mOff, num_experts, lane, first_tile, 0, n_groups, rank)
+        expert, shared = self.visit_expert(mOff, num_experts, lane, first_tile, sched)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile, n_tile = tile_coords(tile, n_groups, rank)
-            next_expert = expert
+            m_tile, n_tile = self.coords(tile, sched)
+            next_expert, next_shared = expert, shared
             for k_tile in cutlass.range(k_tiles, unroll=1):
                 ab_pipe.producer_acquire(state)
                 barrier = ab_pipe.producer_get_barrier(state)
-                cute.copy(tma_a, tAgA[(None, m_tile, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier,
-                          mcast_mask=a_mcast_mask)  # fmt: skip
-                cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)], tma_bar_ptr=barrier)
+                if cutlass.const_expr(self.along_m):
+                    cute.copy(tma_a, tAgA[(None, m_tile, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
+                    if shared:
+                        cute.copy(tma_b_pair, tBgB_pair[(None, n_tile, k_tile, expert)], tBsB_pair[(None, state.index)],
+                                  tma_bar_ptr=barrier, mcast_mask=mcast_mask)  # fmt: skip
+                    else:
+                        cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
+                                  tma_bar_ptr=barrier)  # fmt: skip
+                else:
+                    cute.copy(tma_a, tAgA[(None, m_tile, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier,
+                              mcast_mask=mcast_mask)  # fmt: skip
+                    cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
+                              tma_bar_ptr=barrier)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
                 if k_tile == 0:
-                    next_expert = next_visit_expert(mOff, num_experts, lane, tile, tile_stride, n_groups, rank)
-            expert = next_expert
+                    # The next visit's expert, looked up while this visit's first stage is in flight.
+                    next_expert, next_shared = self.visit_expert(mOff, num_experts, lane, tile + tile_stride, sched)
+            expert, shared = next_expert, next_shared
         ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def coords(self, tile: Int32, sched):
+        """(m_tile, n_tile) of this CTA's visit ``tile``."""
+        if cutlass.const_expr(self.along_m):
+            return pair_coords(tile, sched)
+        return tile_coords(tile, sched[3], sched[5])
+
+    @cute.jit
+    def visit_expert(self, mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, sched):
+        """(expert of visit ``tile``, whether the pair shares its B tile: only along M)."""
+        if cutlass.const_expr(self.along_m):
+            return pair_visit_expert(mOff, num_experts, lane, tile, sched)
+        return next_visit_expert(mOff, num_experts, lane, tile, 0, sched[3], sched[5]), Int32(0) != 0
 
     @cute.jit
     def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, math_tidx, sched):
         """Math warp groups: per tile, the K loop, then the epilogue."""
-        first_tile, tiles, tile_stride, n_groups, k_tiles, rank = sched
+        first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
         thr_mma = tiled_mma.get_slice(math_tidx)
         tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
         tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
@@ -259,7 +329,7 @@ class GroupedGemmFp8Sm90:
         scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile, n_tile = tile_coords(tile, n_groups, rank)
+            m_tile, n_tile = self.coords(tile, sched)
             # The visit's segment record (start, end, count) came with its first stage's scales.
             scale_pipe.consumer_wait(self._state(r_idx, r_ph))
             seg_start, seg_end = sSeg[0, r_idx], sSeg[1, r_idx]
@@ -457,23 +527,30 @@ class GroupedGemmFp8Sm90:
 
 
 @cached_compile
-def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False):
+def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False,
+                             along_m: bool = False):  # fmt: skip
     """One binary for every M_cap, N, K, expert count and routing."""
     mA, mB, mSA, mSB, mOff, mC = fake_operands()
     mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
-    return compile_kernel(GroupedGemmFp8Sm90(block_scaled, has_counts), mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1),
-                          arch=arch, keep_cubin=keep_cubin)  # fmt: skip
+    return compile_kernel(GroupedGemmFp8Sm90(block_scaled, has_counts, along_m), mA, mB, mSA, mSB, mOff, mC, mCnt,
+                          Int32(1), arch=arch, keep_cubin=keep_cubin)  # fmt: skip
 
 
-def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True):
+def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
+                          along_m: bool | None = None):  # fmt: skip
     """Launch on a's device and current stream; inputs validated by the op layer.
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
     a warp group whose 64 rows of a tile are all past the count skips its math (those rows come out
-    zero; other padding rows are A's padding rows' product).  ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored)."""
+    zero; other padding rows are A's padding rows' product).  ``block_scaled=False`` is the
+    benchmark's no-promotion variant (scales ignored).  ``along_m``: the cluster direction
+    (``cluster_along_m`` of the shapes when None; tests and benchmarks force either)."""
     has_counts = expert_counts is not None
-    return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled, has_counts), CLUSTER_N,
-                  a, a_scale, b, b_scale, expert_offsets, (expert_counts if has_counts else expert_offsets,))  # fmt: skip
+    if along_m is None:
+        along_m = cluster_along_m(a.shape[0], b.shape[0], a.shape[1])
+    return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled, has_counts, along_m),
+                  CLUSTER_N, a, a_scale, b, b_scale, expert_offsets, (expert_counts if has_counts else expert_offsets,),
+                  grid_fn=pair_launch_grid if along_m else None)  # fmt: skip
 
 
 def inspect_variants(arch: str):
@@ -481,9 +558,11 @@ def inspect_variants(arch: str):
     if arch != "sm_90a":
         return []
     smem = GroupedGemmFp8Sm90().dynamic_smem_bytes
-    name = f"grouped_gemm_fp8[sm90, persistent, cluster 1x2, 128x128x128, {STAGES} stages, 2 temporary accumulators"
-    return [(name + "]", compile_grouped_gemm_fp8(arch, True), smem),
-            (name + ", expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True), smem)]  # fmt: skip
+    name = f"grouped_gemm_fp8[sm90, persistent, 128x128x128, {STAGES} stages, 2 temporary accumulators, cluster"
+    return [(name + " 1x2 (A shared)]", compile_grouped_gemm_fp8(arch, True), smem),
+            (name + " 1x2 (A shared), expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True), smem),
+            (name + " 2x1 (B shared), expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True, True),
+             smem)]  # fmt: skip
 
 
 __all__ = ["GroupedGemmFp8Sm90", "ROW_ALIGNMENT", "compile_grouped_gemm_fp8", "grouped_gemm_fp8_cuda"]
