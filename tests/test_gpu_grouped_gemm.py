@@ -428,17 +428,16 @@ def test_grouped_gemm_fp8_routing_is_not_compiled_in():
 
 
 # regime -> (E, N, K, first routing, later routings (same M_cap))
-def _prefill_graph_case(k: int = 2048):
-    E, m_cap = 8, 8 * (_round_up(int(512 * 1.3)) + BLOCK)
+def _prefill_graph_case(E: int = 8, N: int = 7168, K: int = 2048, expected: int = 512):
+    m_cap = E * (_round_up(int(expected * 1.3)) + BLOCK)
     later = [
-        routing_from_counts(deepgemm_counts(E, 512, random.Random(32)), m_cap=m_cap),
-        routing_from_counts(empty_counts(E, 512, random.Random(33)), m_cap=m_cap),
+        routing_from_counts(deepgemm_counts(E, expected, random.Random(32)), m_cap=m_cap),
+        routing_from_counts(empty_counts(E, expected, random.Random(33)), m_cap=m_cap),
         routing_from_counts(one_expert_counts(E, 5, m_cap - BLOCK), m_cap=m_cap),
         routing_from_counts([0] * E, m_cap=m_cap),
-        routing_from_counts(deepgemm_counts(E, 400, random.Random(34)), m_cap=m_cap),
+        routing_from_counts(deepgemm_counts(E, expected * 4 // 5, random.Random(34)), m_cap=m_cap),
     ]
-    n = 7168 if k == 2048 else 2112
-    return E, n, k, routing_from_counts(deepgemm_counts(E, 512, random.Random(31)), m_cap=m_cap), later
+    return E, N, K, routing_from_counts(deepgemm_counts(E, expected, random.Random(31)), m_cap=m_cap), later
 
 
 def _decode_graph_case():
@@ -447,12 +446,13 @@ def _decode_graph_case():
     return 256, 4096, 7168, routing_from_topk(16, 8, 256, 41), later
 
 
-@pytest.mark.parametrize("regime", ["prefill", "prefill_k4096", "decode"])
+@pytest.mark.parametrize("regime", ["prefill", "prefill_pairs_m", "decode"])
 def test_grouped_gemm_fp8_side_stream_and_cuda_graph(regime):
-    """prefill_k4096 is a shape whose launches pair M tiles (cluster_along_m), the others N tiles."""
-    E, N, K, first, later = _decode_graph_case() if regime == "decode" else _prefill_graph_case(
-        4096 if regime == "prefill_k4096" else 2048)
-    assert cluster_along_m(first.m_cap, E, K) == (regime == "prefill_k4096")
+    """prefill_pairs_m is a shape whose launches pair M tiles (cluster_along_m), the others N tiles."""
+    cases = {"prefill": _prefill_graph_case, "prefill_pairs_m": lambda: _prefill_graph_case(64, 256, 4096, 384),
+             "decode": _decode_graph_case}  # fmt: skip
+    E, N, K, first, later = cases[regime]()
+    assert cluster_along_m(first.m_cap, E, K) == (regime == "prefill_pairs_m")
     p = make_problem(E, N, K, first, seed=sum(map(ord, regime)))
     run_checked(p)  # compiles before capture
 

@@ -139,14 +139,15 @@ def test_pair_band_order():
 
 
 def test_cluster_direction_heuristic():
-    """Pairs along M (sharing weight tiles) only for a few M tiles per expert and a long K: the
-    DeepSeek-V3 w13 GEMM at T = 4096, 8192 and 16384 (align's M_cap), not its w2 (K = 2048), not
-    decode sizes (T = 128), not long contiguous segments (G4 x M8192)."""
-    def m_cap(t):
-        return -(-(8 * t + 256 * 127) // 128) * 128
+    """Pairs along M (sharing weight tiles) only for a few M tiles per expert, many experts and a
+    long K: the DeepSeek-V3 w13 GEMM at T = 8192 and 16384 (align's M_cap), not its w2 (K =
+    2048), not T <= 4096 (at most one real tile per expert), not EP8 slices (32 local experts), not
+    long contiguous segments (G4 x M8192)."""
+    def m_cap(t, experts=256):
+        return -(-(8 * t + experts * 127) // 128) * 128
 
-    assert all(gs.cluster_along_m(m_cap(t), 256, 7168) for t in (4096, 8192, 16384))
+    assert gs.cluster_along_m(m_cap(8192), 256, 7168) and gs.cluster_along_m(m_cap(16384), 256, 7168)
     assert not gs.cluster_along_m(m_cap(8192), 256, 2048)
-    assert not gs.cluster_along_m(m_cap(128), 256, 7168) and not gs.cluster_along_m(m_cap(2048), 256, 7168)
-    assert not gs.cluster_along_m(4 * 8192, 4, 7168) and gs.cluster_along_m(32 * 512, 32, 7168)
-    assert not gs.cluster_along_m(0, 0, 7168)
+    assert not any(gs.cluster_along_m(m_cap(t), 256, 7168) for t in (1, 128, 2048, 4096, 65536))
+    assert not any(gs.cluster_along_m(m_cap(t, 32), 32, 7168) for t in (2048, 8192))
+    assert not gs.cluster_along_m(4 * 8192, 4, 7168) and not gs.cluster_along_m(0, 0, 7168)

@@ -105,15 +105,18 @@ def pair_launch_grid(m_cap: int, n: int, num_sms: int) -> int:
 
 def cluster_along_m(m_cap: int, num_experts: int, k: int) -> bool:
     """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
-    the A tile): when K is long (at least 4096) and the experts average one to 16 M tiles of real
-    rows, counting M_cap less ``align``'s worst-case padding (``TILE_M - 1`` rows per expert).
-    There each expert's weights are re-read from DRAM for each of its few M tiles, which bounds the
-    kernel: at DeepSeek-V3 T = 8192 (uniform routing) pairing along M cut the w13 GEMM's DRAM
-    reads from 16.3 to 12.5 GB and its time by 8%, at T = 4096 by 6%.  It was slower at decode
-    sizes (one M tile per expert, nothing shared), on the K = 2048 w2 GEMM, and on long segments
-    (bench/NOTES.md, session 7)."""
-    real_tiles = (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * max(num_experts, 1))
-    return k >= 4096 and 1 <= real_tiles <= 16
+    the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
+    tiles of real rows, counting M_cap less ``align``'s worst-case padding (``TILE_M - 1`` rows
+    per expert).  There each expert's weights are re-read from DRAM for each of its few M tiles,
+    which bounds the kernel.  Same-run A/B on DeepSeek-V3's w13 GEMM (uniform top-8 routing,
+    bench/NOTES.md, session 7): T = 8192 -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T = 16384 -3
+    to -7%; neutral at T = 4096 (one real tile per expert), +12% at T = 2048, +17% at T = 128,
+    +2 to +6% on the K = 2048 w2 GEMM, on long contiguous segments, and on EP8 slices (32 local
+    experts, whose M_cap is sized for every routed row, so the estimate cannot see their size)."""
+    if k < 4096 or num_experts < 64:
+        return False
+    real_tiles = (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * num_experts)
+    return 2 <= real_tiles <= 6
 
 
 def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple[int, int]:

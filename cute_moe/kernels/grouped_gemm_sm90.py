@@ -15,7 +15,7 @@ Pipeline (persistent: one CTA per SM, 384 threads, clusters of 2 CTAs; schedule 
 from the shapes by ``cluster_along_m``:
 * pairs along N (default; ``tile_schedule``): N tiles 2j and 2j + 1 of one M tile, N fastest.
   Each CTA loads half of the A tile and multicasts it to both.
-* pairs along M (prefill MoE: long K, 1-16 M tiles per expert; ``pair_tile_schedule``): M tiles
+* pairs along M (prefill MoE: long K, 2-6 M tiles per expert; ``pair_tile_schedule``): M tiles
   2i and 2i + 1 of one N tile, in bands of ``PAIRS_PER_BAND`` pairs.  When both are expert
   ``e``'s, each CTA loads half of the B tile and multicasts it to both, so that the expert's
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
