@@ -121,7 +121,7 @@ def main() -> None:
         for (label, _, _), t, out in zip(variants, times, outs):
             print(f"{s.name:>28} {label[:24]:>24} {min(t):9.1f} {statistics.median(t):9.1f} "
                   f"{min(t) / min(times[0]):6.3f}  {'yes' if torch.equal(out, outs[0]) else 'NO'}", flush=True)  # fmt: skip
-        del p, launch_args, outs
+        p = launch_args = outs = None  # freed before the next shape's problem is built
         torch.cuda.empty_cache()
 
 
