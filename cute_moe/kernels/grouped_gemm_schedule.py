@@ -37,8 +37,8 @@ from ..compiler import arch_of_device_index, fake_tensor
 TILE_M, TILE_N, TILE_K = 128, 128, 128
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
 _LOOKUP_DEPTH = 8  # segment ends a lane loads at once in expert_of_row
-CLUSTER_N = 2  # sm100: CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
-CLUSTER_M = 2  # sm90: CTAs per cluster, on M tiles 2i and 2i + 1 of one N tile: they share B when one expert
+CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
+CLUSTER_M = 2  # sm90 at prefill MoE shapes: CTAs on M tiles 2i, 2i + 1 of one N tile, sharing B when one expert
 PAIRS_PER_BAND = 4  # sm90, prefill: M-tile pairs per band of the visit order (8 M tiles)
 
 
@@ -261,22 +261,21 @@ def copy_segment(mOff: cute.Tensor, mCnt: cute.Tensor, sSeg: cute.Tensor, expert
 
 
 @cute.jit
-def _scale_coords(tile: Int32, sched, pairs: cutlass.Constexpr):
-    """(M tile, N tile) whose scales visit ``tile`` reads: the sm100 N-group schedule, or with
-    ``pairs`` the sm90 one (a tile past the last one reads its partner's scales)."""
+def visit_coords(tile: Int32, sched, pairs: cutlass.Constexpr):
+    """(m_tile, n_tile) of this CTA's visit ``tile``: clusters along M (``pair_coords``, sm90 at
+    prefill MoE shapes) or along N (``tile_coords``)."""
     if cutlass.const_expr(pairs):
-        m_tile, n_tile = pair_coords(tile, sched)
-        return min(m_tile, sched[6] - 1), n_tile
+        return pair_coords(tile, sched)
     return tile_coords(tile, sched[3], sched[5])
 
 
 @cute.jit
-def _visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, sched, pairs: cutlass.Constexpr):
-    """The expert of visit ``tile`` (same schedules as ``_scale_coords``)."""
+def visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, sched, pairs: cutlass.Constexpr):
+    """(expert of visit ``tile``, whether the pair shares its weight tile: only along M), for the
+    schedules of ``visit_coords``."""
     if cutlass.const_expr(pairs):
-        expert, _ = pair_visit_expert(mOff, num_experts, lane, tile, sched)
-        return expert
-    return next_visit_expert(mOff, num_experts, lane, tile, 0, sched[3], sched[5])
+        return pair_visit_expert(mOff, num_experts, lane, tile, sched)
+    return next_visit_expert(mOff, num_experts, lane, tile, 0, sched[3], sched[5]), Int32(0) != 0
 
 
 @cute.jit
@@ -286,12 +285,14 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
     stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land).
     With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage.  ``pairs``:
-    the sm90 schedule (``pair_coords``), else the sm100 one (``tile_coords``)."""
+    clusters along M (a tile past the last one reads its partner's scales), else along N."""
     first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
-    expert = _visit_expert(mOff, num_experts, lane, first_tile, sched, pairs)
+    expert, _ = visit_expert(mOff, num_experts, lane, first_tile, sched, pairs)
     for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-        m_tile, n_tile = _scale_coords(tile, sched, pairs)
+        m_tile, n_tile = visit_coords(tile, sched, pairs)
+        if cutlass.const_expr(pairs):
+            m_tile = min(m_tile, sched[6] - 1)
         gSB = mSB[(expert, None, None)]  # (N blocks, K blocks)
         next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
@@ -304,7 +305,7 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
             state.advance()
             if k_tile == 0:
                 # The next visit's expert, looked up while this visit's first stage is in flight.
-                next_expert = _visit_expert(mOff, num_experts, lane, tile + tile_stride, sched, pairs)
+                next_expert, _ = visit_expert(mOff, num_experts, lane, tile + tile_stride, sched, pairs)
         expert = next_expert
     scale_pipe.producer_tail(state)
 

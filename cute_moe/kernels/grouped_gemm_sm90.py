@@ -64,8 +64,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
-    fake_operands, launch, load_scales, next_visit_expert, pair_coords, pair_launch_grid, pair_schedule,
-    pair_visit_expert, tile_coords, valid_tiles,
+    fake_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
 STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
@@ -263,9 +262,9 @@ class GroupedGemmFp8Sm90:
         gB = cute.local_tile(mB, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB_, cute.group_modes(gB, 0, 2))
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        expert, shared = self.visit_expert(mOff, num_experts, lane, first_tile, sched)
+        expert, shared = visit_expert(mOff, num_experts, lane, first_tile, sched, self.along_m)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile, n_tile = self.coords(tile, sched)
+            m_tile, n_tile = visit_coords(tile, sched, self.along_m)
             next_expert, next_shared = expert, shared
             for k_tile in cutlass.range(k_tiles, unroll=1):
                 ab_pipe.producer_acquire(state)
@@ -287,23 +286,10 @@ class GroupedGemmFp8Sm90:
                 state.advance()
                 if k_tile == 0:
                     # The next visit's expert, looked up while this visit's first stage is in flight.
-                    next_expert, next_shared = self.visit_expert(mOff, num_experts, lane, tile + tile_stride, sched)
+                    next_expert, next_shared = visit_expert(mOff, num_experts, lane, tile + tile_stride, sched,
+                                                           self.along_m)
             expert, shared = next_expert, next_shared
         ab_pipe.producer_tail(state)
-
-    @cute.jit
-    def coords(self, tile: Int32, sched):
-        """(m_tile, n_tile) of this CTA's visit ``tile``."""
-        if cutlass.const_expr(self.along_m):
-            return pair_coords(tile, sched)
-        return tile_coords(tile, sched[3], sched[5])
-
-    @cute.jit
-    def visit_expert(self, mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32, sched):
-        """(expert of visit ``tile``, whether the pair shares its B tile: only along M)."""
-        if cutlass.const_expr(self.along_m):
-            return pair_visit_expert(mOff, num_experts, lane, tile, sched)
-        return next_visit_expert(mOff, num_experts, lane, tile, 0, sched[3], sched[5]), Int32(0) != 0
 
     @cute.jit
     def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, math_tidx, sched):
@@ -329,7 +315,7 @@ class GroupedGemmFp8Sm90:
         scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
-            m_tile, n_tile = self.coords(tile, sched)
+            m_tile, n_tile = visit_coords(tile, sched, self.along_m)
             # The visit's segment record (start, end, count) came with its first stage's scales.
             scale_pipe.consumer_wait(self._state(r_idx, r_ph))
             seg_start, seg_end = sSeg[0, r_idx], sSeg[1, r_idx]
