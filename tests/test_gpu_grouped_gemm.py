@@ -240,10 +240,10 @@ def check_output(c: torch.Tensor, p: Problem, ref: torch.Tensor | None = None) -
     )
 
 
-def run_checked(p: Problem, along_m: bool | None = None) -> torch.Tensor:
+def run_checked(p: Problem, variant: dict | None = None) -> torch.Tensor:
     """One call with C from a poisoned allocator, checked against the reference."""
     poison_pools(max(256 << 20, p.a.shape[0] * p.b.shape[1] * 2 + (64 << 20)))
-    c = gg.grouped_gemm_fp8_cuda(*p.args(), along_m=along_m)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), **(variant or {}))
     check_output(c, p)
     return c
 
@@ -289,23 +289,29 @@ CASES = {
 }  # fmt: skip
 
 
-# Both cluster directions on every case: pairs of N tiles sharing A, pairs of M tiles sharing B
-# (which the heuristic picks only for prefill MoE shapes).
-ALONG = pytest.mark.parametrize("along_m", [False, True], ids=["pairs_n", "pairs_m"])
+# Every kernel variant on every case, forced: the cluster direction (pairs of N tiles sharing A, or
+# of M tiles sharing B, which the launch picks only for prefill MoE shapes) and the epilogue (the
+# store-behind one, which it picks for K <= 2048).
+_FORCED = [(m, s) for m in (False, True) for s in (False, True)]
+VARIANTS = pytest.mark.parametrize(
+    "variant",
+    [{"along_m": m, "store_behind": s} for m, s in _FORCED],
+    ids=[f"pairs_{'m' if m else 'n'}-{'store_behind' if s else 'store_wait'}" for m, s in _FORCED],
+)
 
 
-@ALONG
+@VARIANTS
 @pytest.mark.parametrize("case", list(CASES))
-def test_grouped_gemm_fp8(case, along_m):
+def test_grouped_gemm_fp8(case, variant):
     E, N, K, build = CASES[case]
     seed = sum(map(ord, case)) * 7919
-    run_checked(make_problem(E, N, K, build(seed), seed), along_m)
+    run_checked(make_problem(E, N, K, build(seed), seed), variant)
 
 
 @pytest.mark.parametrize("case", ["dsv3_w13_E256_T1", "dsv3_w2_E256_decode", "E8_N256_K1536_decode",
                                   "dsv3_w13_E8_ragged", "E8_N384_K384_ragged", "E384_N512_K1024_decode"])  # fmt: skip
-@ALONG
-def test_grouped_gemm_fp8_with_expert_counts(case, along_m):
+@VARIANTS
+def test_grouped_gemm_fp8_with_expert_counts(case, variant):
     """With align's counts a warp group whose 64 rows are all padding skips its math: real rows as
     without counts, padding rows still zero (check_output)."""
     E, N, K, build = CASES[case]
@@ -315,13 +321,13 @@ def test_grouped_gemm_fp8_with_expert_counts(case, along_m):
     real = p.routing.real.long()
     counts = torch.stack([real[offsets[e] : offsets[e + 1]].sum() for e in range(E)]).to(torch.int32)
     poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))
-    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, along_m=along_m)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
     check_output(c, p)
 
 
 @pytest.mark.parametrize("case", ["dsv3_w2_E256_decode", "dsv3_w13_E8_ragged"])
-@ALONG
-def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, along_m):
+@VARIANTS
+def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, variant):
     """Inside fused_moe, A's padding rows are never written (permute_quant with zero_padding=False):
     with garbage there (NaN codes and NaN scales included), the real rows are unchanged."""
     E, N, K, build = CASES[case]
@@ -337,7 +343,7 @@ def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, along
     garbage[:, ::7] = 0x7F  # e4m3 NaN
     p.a.view(torch.uint8)[pad] = garbage
     p.a_scale[pad] = float("nan")
-    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, along_m=along_m)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
     rows = real.nonzero().flatten()
     got, ref = c[rows].float(), want[rows].float()
     assert not got.isnan().any()

@@ -38,9 +38,11 @@ from the shapes by ``cluster_along_m``:
   accumulators alternate: K block ``j + 1``'s WGMMAs are issued before K block
   ``j``'s are waited for (``wait_group(1)``), so the promotion's FFMAs of one block
   run while the tensor cores work on the next.  After a tile's last K block the
-  accumulator goes to bf16 through shared memory (stmatrix, two 128 x 32 buffers)
-  and out by TMA stores, which clip columns past N; the producer warps meanwhile
-  run ahead into the next tile.  With ``expert_counts``, a warp group whose 64 rows
+  accumulator goes to bf16 through shared memory (stmatrix, 128 x 32 sub-tiles) and
+  out by TMA stores, which clip columns past N; the producer warps meanwhile run
+  ahead into the next tile.  For short K loops (K <= 2048, ``store_behind_epilogue``)
+  the whole tile goes to shared memory at once and its stores drain during the next
+  tile's K loop; otherwise two sub-tile buffers alternate, each reused once read.  With ``expert_counts``, a warp group whose 64 rows
   of the tile are all past the segment's count waits for and frees every stage
   without issuing math (its rows come out zero).
 
@@ -67,8 +69,11 @@ from .grouped_gemm_schedule import (
     fake_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
-STAGES = 6  # 6 x (16 KB A + 16 KB B + 516 B scales) = 195 KB of shared memory
-EPI_N, EPI_STAGES = 32, 2  # epilogue: 128 x 32 bf16 sub-tiles through 2 x 8 KB of shared memory
+# (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 516 B scales) + 2 x 8 KB =
+# 211 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile, 195 KB.
+STAGES, STORE_BEHIND_STAGES = 6, 5
+EPI_N = 32
+EPI_BUFFERS, STORE_BEHIND_BUFFERS = 2, TILE_N // EPI_N
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
 _NUM_CONSUMER_WARPS = 8
@@ -81,7 +86,8 @@ class GroupedGemmFp8Sm90:
     num_threads = 384
     can_implement = staticmethod(can_implement)
 
-    def __init__(self, block_scaled: bool = True, has_counts: bool = False, along_m: bool = False):
+    def __init__(self, block_scaled: bool = True, has_counts: bool = False, along_m: bool = False,
+                 store_behind: bool = False):  # fmt: skip
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
@@ -90,9 +96,14 @@ class GroupedGemmFp8Sm90:
         # along_m: clusters of 2 on M tiles 2i, 2i + 1 of one N tile, sharing the weight tile when both
         # are one expert's (prefill MoE); else on N tiles 2j, 2j + 1 of one M tile, sharing the A tile.
         self.along_m = along_m
-        self.stages = STAGES
+        # store_behind: the epilogue writes the whole bf16 tile to shared memory and leaves its TMA
+        # stores to drain during the next tile's K loop (one K-block stage less makes room); else the
+        # math warps wait for each 128 x 32 sub-tile's store before reusing its buffer.
+        self.store_behind = store_behind
+        self.stages = STORE_BEHIND_STAGES if store_behind else STAGES
+        self.epi_buffers = STORE_BEHIND_BUFFERS if store_behind else EPI_BUFFERS
         self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4 + 12) + (
-            EPI_STAGES * TILE_M * EPI_N * 2
+            self.epi_buffers * TILE_M * EPI_N * 2
         )
 
     def _smem_layout(self, rows: int):
@@ -137,7 +148,7 @@ class GroupedGemmFp8Sm90:
         c_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, EPI_N), cutlass.BFloat16
         )
-        sC_layout = cute.tile_to_shape(c_atom, (TILE_M, EPI_N, EPI_STAGES), order=(0, 1, 2))
+        sC_layout = cute.tile_to_shape(c_atom, (TILE_M, EPI_N, self.epi_buffers), order=(0, 1, 2))
         # The TMA store clips what lies past N (e.g. N = 2112) or M_cap (the past-end tile of an odd pair
         # along M), and writes nothing for a multicast-only visit past the last N tile (pairs along N).
         tma_c, tma_mC = cpasync.make_tiled_tma_atom(
@@ -347,7 +358,7 @@ class GroupedGemmFp8Sm90:
                 d_idx, d_ph = r_idx, r_ph
             self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, math_tidx)
         if math_tidx // 32 == 0:
-            epi[-1].producer_tail()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
     @cute.jit
     def scaled_k_loop(self, acc, buf0, buf1, tCrA, tCrB, rows, sSA, sSB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph,
@@ -469,7 +480,7 @@ class GroupedGemmFp8Sm90:
         scale_pipe.consumer_release(state)
 
     def make_epilogue(self, tiled_mma, sC, acc, math_tidx):
-        """The register -> shared memory (stmatrix) partitions and the TMA-store pipeline."""
+        """The register -> shared memory (stmatrix) partitions."""
         copy_r2s = cute.make_tiled_copy_S(
             sm90_utils.sm90_get_smem_store_op(LayoutEnum.ROW_MAJOR, elem_ty_d=cutlass.BFloat16, elem_ty_acc=Float32),
             cute.make_tiled_copy_C_atom(
@@ -477,78 +488,104 @@ class GroupedGemmFp8Sm90:
             ),
         )
         thr_r2s = copy_r2s.get_slice(math_tidx)
-        tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, EPI_STAGES)
+        tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffers)
         tRS_rAcc = copy_r2s.retile(acc)
         sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
-        store_pipe = pipeline.PipelineTmaStore.create(
-            num_stages=EPI_STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * _NUM_CONSUMER_WARPS),
-        )
-        return copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC, store_pipe
+        return copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC
 
     @cute.jit
     def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
-        """bf16 sub-tiles of 128 x 32: registers -> shared memory (stmatrix) -> TMA store."""
-        copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC, store_pipe = epi
+        """The tile in bf16: registers -> shared memory (stmatrix, 128 x 32 sub-tiles) -> TMA stores
+        issued by one warp.  Store-behind: the whole tile, then its four stores, waited for only
+        before the next tile's epilogue rewrites the buffers (a K loop later: no wait in practice).
+        Else two buffers, each reused once its sub-tile's store has read it."""
+        copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC = epi
         gC = cute.zipped_divide(cute.local_tile(mC, (TILE_M, TILE_N), (m_tile, n_tile)), (TILE_M, EPI_N))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC)
         rD = cute.make_rmem_tensor(sub_shape, Float32)
         rD_out = cute.make_rmem_tensor(sub_shape, cutlass.BFloat16)
         barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER, num_threads=32 * _NUM_CONSUMER_WARPS)
+        store_warp = math_tidx // 32 == 0
+        if cutlass.const_expr(self.store_behind):
+            if store_warp:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            barrier.arrive_and_wait()
         for sub in cutlass.range_constexpr(TILE_N // EPI_N):
+            buf = sub % self.epi_buffers
             for v in cutlass.range_constexpr(cute.size(rD)):
                 rD[v] = tRS_rAcc[sub * cute.size(rD) + v]
             rD_out.store(rD.load().to(cutlass.BFloat16))
-            buf = sub % EPI_STAGES
             cute.copy(copy_r2s, rD_out, tRS_sC[(None, None, None, buf)])
-            # Make the generic-proxy smem writes visible to the TMA (async proxy), then let
-            # one warp store the sub-tile and wait until the other buffer is free again.
+            if cutlass.const_expr(not self.store_behind):
+                # Make the generic-proxy smem writes visible to the TMA (async proxy), store the
+                # sub-tile, and wait until the other buffer has been read.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                barrier.arrive_and_wait()
+                if store_warp:
+                    cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (0, sub))])
+                    cute.arch.cp_async_bulk_commit_group()
+                    cute.arch.cp_async_bulk_wait_group(self.epi_buffers - 1, read=True)
+                barrier.arrive_and_wait()
+        if cutlass.const_expr(self.store_behind):
             cute.arch.fence_proxy("async.shared", space="cta")
             barrier.arrive_and_wait()
-            if math_tidx // 32 == 0:
-                cute.copy(tma_c, bSG_sC[(None, buf)], bSG_gC[(None, (0, sub))])
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            barrier.arrive_and_wait()
+            if store_warp:
+                for sub in cutlass.range_constexpr(TILE_N // EPI_N):
+                    cute.copy(tma_c, bSG_sC[(None, sub)], bSG_gC[(None, (0, sub))])
+                cute.arch.cp_async_bulk_commit_group()
 
 
 @cached_compile
 def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False,
-                             along_m: bool = False):  # fmt: skip
+                             along_m: bool = False, store_behind: bool = False):  # fmt: skip
     """One binary for every M_cap, N, K, expert count and routing."""
     mA, mB, mSA, mSB, mOff, mC = fake_operands()
     mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
-    return compile_kernel(GroupedGemmFp8Sm90(block_scaled, has_counts, along_m), mA, mB, mSA, mSB, mOff, mC, mCnt,
-                          Int32(1), arch=arch, keep_cubin=keep_cubin)  # fmt: skip
+    kernel = GroupedGemmFp8Sm90(block_scaled, has_counts, along_m, store_behind)
+    return compile_kernel(kernel, mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1), arch=arch, keep_cubin=keep_cubin)
+
+
+def store_behind_epilogue(k: int) -> bool:
+    """The store-behind epilogue for short K loops (at most 16 K blocks), where the epilogue is a
+    tenth of a tile's time: measured G4xM8192 7168x2048 -5%, DeepSeek-V3 w2 at T=8192 -2 to -5%;
+    at K = 7168 it gained nothing and its stage less cost up to 4% (bench/NOTES.md, session 7)."""
+    return k <= 16 * TILE_K
 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
-                          along_m: bool | None = None):  # fmt: skip
+                          along_m: bool | None = None, store_behind: bool | None = None):  # fmt: skip
     """Launch on a's device and current stream; inputs validated by the op layer.
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
     a warp group whose 64 rows of a tile are all past the count skips its math (those rows come out
     zero; other padding rows are A's padding rows' product).  ``block_scaled=False`` is the
-    benchmark's no-promotion variant (scales ignored).  ``along_m``: the cluster direction
-    (``cluster_along_m`` of the shapes when None; tests and benchmarks force either)."""
+    benchmark's no-promotion variant (scales ignored).  ``along_m``, ``store_behind``: the cluster
+    direction and the epilogue (``cluster_along_m`` and ``store_behind_epilogue`` of the shapes
+    when None; tests and benchmarks force either)."""
     has_counts = expert_counts is not None
     if along_m is None:
         along_m = cluster_along_m(a.shape[0], b.shape[0], a.shape[1])
-    return launch("sm_90a", lambda: compile_grouped_gemm_fp8("sm_90a", False, block_scaled, has_counts, along_m),
-                  CLUSTER_N, a, a_scale, b, b_scale, expert_offsets, (expert_counts if has_counts else expert_offsets,),
-                  grid_fn=pair_launch_grid if along_m else None)  # fmt: skip
+    if store_behind is None:
+        store_behind = store_behind_epilogue(a.shape[1])
+    key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind)
+    return launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
+                  (expert_counts if has_counts else expert_offsets,), grid_fn=pair_launch_grid if along_m else None)  # fmt: skip
 
 
 def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes); the kernel exists for sm_90a only."""
     if arch != "sm_90a":
         return []
-    smem = GroupedGemmFp8Sm90().dynamic_smem_bytes
-    name = f"grouped_gemm_fp8[sm90, persistent, 128x128x128, {STAGES} stages, 2 temporary accumulators, cluster"
-    return [(name + " 1x2 (A shared)]", compile_grouped_gemm_fp8(arch, True), smem),
-            (name + " 1x2 (A shared), expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True), smem),
-            (name + " 2x1 (B shared), expert_counts]", compile_grouped_gemm_fp8(arch, True, True, True, True),
-             smem)]  # fmt: skip
+    out = []
+    for along_m, store_behind, counts in ((False, False, False), (False, False, True), (True, False, True),
+                                          (False, True, True)):  # fmt: skip
+        kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind)
+        name = (f"grouped_gemm_fp8[sm90, persistent, 128x128x128, {kernel.stages} stages, 2 temporary accumulators, "
+                f"cluster {'2x1 (B shared)' if along_m else '1x2 (A shared)'}"
+                f"{', store-behind epilogue' if store_behind else ''}{', expert_counts' if counts else ''}]")  # fmt: skip
+        out.append((name, compile_grouped_gemm_fp8(arch, True, True, counts, along_m, store_behind),
+                    kernel.dynamic_smem_bytes))  # fmt: skip
+    return out
 
 
 __all__ = ["GroupedGemmFp8Sm90", "ROW_ALIGNMENT", "compile_grouped_gemm_fp8", "grouped_gemm_fp8_cuda"]
