@@ -10,7 +10,9 @@ composition (cute_moe.reference on CUDA tensors).
 permute_quant is timed both ways: ``permute_quant[rows]`` (row_to_token only: the
 row-major kernel, one gather and quantization per routed row) and
 ``permute_quant[tokens]`` (token_to_row given too: the token-major kernel, each
-token row read and quantized once), as fused_moe calls it.
+token row read and quantized once), and ``permute_quant[tok,nopad]``, the
+token-major kernel with ``zero_padding=False``, as fused_moe calls it (the padding
+rows left unwritten).
 
 silu_mul_quant is timed both ways too: ``silu_mul_quant`` (expert_offsets only: every
 row of every segment, padding included) and ``silu_mul_quant[counts]`` (align's
@@ -71,6 +73,11 @@ def main() -> None:
                                       lambda: cute_moe.permute_quant(x, row_to_token, offsets,
                                                                      token_to_row=token_to_row),
                                       lambda: permute_quant_ref(x, row_to_token, offsets)),
+            "permute_quant[tok,nopad]": (pq_bytes,
+                                         lambda: cute_moe.permute_quant(x, row_to_token, offsets,
+                                                                        token_to_row=token_to_row,
+                                                                        zero_padding=False),
+                                         lambda: permute_quant_ref(x, row_to_token, offsets)),
             "silu_mul_quant": (silu_bytes,
                                lambda: cute_moe.silu_mul_quant(h, offsets),
                                lambda: silu_mul_quant_ref(h, offsets)),
@@ -85,9 +92,9 @@ def main() -> None:
                          "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us,
                          "padding_pct": 100 * (1 - routed / max(int(offsets[-1]), 1))})
     print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
-    print(f"{'op':>22} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7} {'%pad':>5}")
+    print(f"{'op':>24} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7} {'%pad':>5}")
     for r in rows:
-        print(f"{r['op']:>22} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
+        print(f"{r['op']:>24} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f} {r['padding_pct']:>5.1f}")
     write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
 

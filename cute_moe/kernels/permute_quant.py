@@ -47,17 +47,19 @@ Token-major mapping (``TokenPermuteQuantKernel``, ``permute_quant`` given
 row of x is read once and quantized once, and its codes and scales are stored to
 each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
 
-* gathering CTAs, ``(H / 128) * ceil(T / 64)`` of them, group columns fastest:
-  quant_fp8's shape, 16 lanes per (token, group), 4 tokens per thread (16 apart),
-  64 tokens per CTA.  Each thread issues its 4 x loads (16 bytes each; tokens past
-  T re-read token T-1) and its tokens' ``token_to_row`` entries (lane ``l`` of the
-  16 loads entry ``l``, and ``l + 16`` when k > 16) before any math (tied to the
-  math by an opaque zero, or ptxas sinks some of them); then per token:
-  quantize, and for ``j < k`` broadcast entry ``j`` by a segmented shuffle and
-  store the lane's 8 codes (``st.global.v2``) as one predicated store (row in
-  ``[0, end)``, so -1 is skipped; no branch) at one IMAD.WIDE.U32 of address;
-  the scale, which every lane holds, goes from lane ``j`` to entry ``j``.  No
-  shared memory; 4 instructions per destination and lane.
+* gathering CTAs, ``ceil(H / 2048) * ceil(T / 2)`` of them, column slabs fastest:
+  each takes one slab of 16 group columns (2048 columns) of 2 tokens, 16 lanes per
+  (token, group) as in quant_fp8.  Each thread issues both 16-byte x loads (tokens
+  past T re-read token T-1) and its token_to_row entries (lane ``l`` loads entry
+  ``l``, and ``l + 16`` when k > 16) before any math; quantizes; writes its 8 codes
+  to the CTA's shared-memory copy of the slab (2 KB per token) and the group's
+  scale to the rows of its entries.  After a proxy fence and one barrier, thread
+  ``j < k`` copies each token's slab to destination ``j`` with one bulk copy
+  (``cp.async.bulk`` shared -> global, 2 KB contiguous, no tensor map), and waits
+  for the copies to have read shared memory before the CTA exits.  A destination
+  is written when its row lies in ``[0, end)`` (-1 is skipped).  The bulk copies
+  replace 8 scattered 8-byte stores per lane and destination of the earlier
+  register-store version: a slab goes to each destination as 2 KB in one request.
 * zeroing CTAs, ``ceil(H / 1024) * ceil(M_cap / 256)``: rows ``[256 b, 256 b +
   256)`` of a slab of 8 group columns.  Each thread reads one ``row_to_token``
   entry; each warp ballots its 32 padding rows (``t == -1`` or outside ``[0, T)``,
@@ -72,8 +74,8 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
 The two kinds write disjoint rows when the maps are each other's inverse (rows
 named by neither stay unwritten).  Bytes: x read once, every row ``< end``
 written once (routed rows' codes and scales, padding rows' zeros), plus
-``row_to_token`` read once per slab and ``token_to_row`` once per group column
-(both from L2).
+``row_to_token`` read once per slab and ``token_to_row`` by every thread of a
+gathering CTA (from L1).
 
 Constraints (``can_implement``): x bf16/fp16 (``permute_quant``), a_in
 float8_e4m3fn (``permute``); H a multiple of 128; unit column stride with a
@@ -202,12 +204,27 @@ def store_if(pred, addr, words, *, loc=None, ip=None) -> None:
     )  # fmt: skip
 
 
+@dsl_user_op
+def bulk_store(dst_addr, src: cute.Pointer, nbytes, *, loc=None, ip=None) -> None:
+    """``cp.async.bulk`` of ``nbytes`` (a multiple of 16) from shared memory at ``src`` to the global
+    address ``dst_addr`` (both 16-byte aligned), in the thread's current bulk group."""
+    ops = [
+        Int64(dst_addr).ir_value(loc=loc, ip=ip),
+        src.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+        Int32(nbytes).ir_value(loc=loc, ip=ip),
+    ]
+    llvm.inline_asm(
+        None, ops, "cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], $2;", "l,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip,
+    )  # fmt: skip
+
+
 class TokenPermuteQuantKernel:
     """Token-major ``permute_quant``; static configuration: input dtype, scale format, top-k ``k``,
     and whether the zeroing CTAs run (``zero_padding=False`` launches the gathering CTAs only)."""
 
     num_threads = 256
-    rows_per_thread = 4  # token rows per thread (strided by a pass), all loaded before any math
+    tokens_per_cta = 2  # token rows per thread, both loaded before any math
     pad_groups = 8  # group columns per zeroing CTA: 1024 codes per row, two 16-byte stores per lane
     max_k = 32
 
@@ -218,11 +235,14 @@ class TokenPermuteQuantKernel:
         self.zero_padding_ctas = zero_padding
         self.lanes = lanes_per_group(dtype.width // 8, GROUP)
         self.elems_per_lane = GROUP // self.lanes
-        self.rows_per_pass = self.num_threads // self.lanes
-        self.tokens_per_cta = self.rows_per_pass * self.rows_per_thread
+        self.slab_groups = self.num_threads // self.lanes  # group columns per gathering CTA
         self.entries_per_lane = -(-k // self.lanes)  # lane l holds destinations l, l + lanes, ...
         # shfl.sync.idx within segments of `lanes` lanes: source lane (lane & ~(lanes-1)) | j
         self.segment = ((32 - self.lanes) << 8) | 31
+
+    def smem_bytes(self) -> int:
+        """The gathering CTA's codes: one 2 KB slab per token."""
+        return self.tokens_per_cta * self.slab_groups * GROUP
 
     @classmethod
     def can_implement(cls, dtype: torch.dtype, hidden: int, k: int) -> str | None:
@@ -234,12 +254,12 @@ class TokenPermuteQuantKernel:
 
     @cute.jit
     def ctas(self, num_tokens, hidden, m_cap):
-        """(gathering CTAs: group columns x token blocks, zeroing CTAs: column slabs x row blocks)."""
+        """(gathering CTAs: column slabs x token blocks, zeroing CTAs: column slabs x row blocks)."""
         groups = hidden // GROUP
         zero = 0
         if cutlass.const_expr(self.zero_padding_ctas):
             zero = cute.ceil_div(groups, self.pad_groups) * cute.ceil_div(m_cap, self.num_threads)
-        return groups * cute.ceil_div(num_tokens, self.tokens_per_cta), zero
+        return cute.ceil_div(groups, self.slab_groups) * cute.ceil_div(num_tokens, self.tokens_per_cta), zero
 
     @cute.jit
     def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, stream):
@@ -262,19 +282,29 @@ class TokenPermuteQuantKernel:
 
     @cute.jit
     def gather(self, mX, mT2R, mQ, mS, bid, end, tidx):
-        """Quantize 4 token rows of one group column per 16 lanes; store each to its k rows."""
+        """Quantize one slab of 16 group columns of ``tokens_per_cta`` tokens into shared memory,
+        then copy each token's slab to its k rows with bulk copies (one per destination row)."""
         groups = mQ.shape[1] // GROUP
-        group = bid % groups
+        slabs = cute.ceil_div(groups, self.slab_groups)
+        slab = bid % slabs
+        first_tok = (bid // slabs) * self.tokens_per_cta
         lane = tidx % self.lanes
-        chunk = group * self.lanes + lane
-        first_tok = (bid // groups) * self.tokens_per_cta + tidx // self.lanes
+        # Threads of a slab's missing groups (H not a multiple of 2048) quantize the last group again
+        # and store nothing: every lane takes part in the quantizer's shuffles.
+        group = slab * self.slab_groups + tidx // self.lanes
+        active = group < groups
+        chunk = cutlass.min(group, groups - 1) * self.lanes + lane
         num_tokens = mX.shape[0]
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        # Every load first: the x rows (tokens past T re-read token T-1: no predicated loads) and
-        # this lane's entries of token_to_row (lanes past k re-read entry k-1).
+        sQ = cutlass.utils.SmemAllocator().allocate_tensor(
+            Int32, cute.make_layout((self.smem_bytes() // 4 // self.tokens_per_cta, self.tokens_per_cta)),
+            byte_alignment=128,
+        )
+        # Every load first (tokens past T re-read token T-1; lanes past k re-read entry k-1): lane l
+        # holds entries l, l + 16, ... of its token; thread j < k also issues destination j's copy.
         rXs, entries = [], []
-        for u in cutlass.range_constexpr(self.rows_per_thread):
-            tok = cutlass.min(first_tok + u * self.rows_per_pass, num_tokens - 1)
+        for u in cutlass.range_constexpr(self.tokens_per_cta):
+            tok = cutlass.min(first_tok + u, num_tokens - 1)
             rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
             cute.copy(load, cute.local_tile(mX[tok, None], (self.elems_per_lane,), (chunk,)), rX)
             rXs.append(rX)
@@ -282,41 +312,44 @@ class TokenPermuteQuantKernel:
                 [mT2R[tok, cutlass.min(lane + m * self.lanes, self.k - 1)] for m in range(self.entries_per_lane)]
             )
         # Each row's data OR-ed with (every loaded word & an opaque zero): bit for bit unchanged, but
-        # no math starts before every load is issued (ptxas would otherwise sink some rows' loads,
-        # and the token_to_row loads, below other rows' quantization to save registers).
+        # no math starts before every load is issued (ptxas would otherwise sink the second token's
+        # loads below the first token's quantization to save registers).
         tie = Int32(0)
-        for u in cutlass.range_constexpr(self.rows_per_thread):
+        for u in cutlass.range_constexpr(self.tokens_per_cta):
             tie = tie | cute.recast_tensor(rXs[u], Int32)[0]
             for entry in entries[u]:
                 tie = tie | entry
         tie = tie & opaque_zero(num_tokens)
-        for u in cutlass.range_constexpr(self.rows_per_thread):
+        for u in cutlass.range_constexpr(self.tokens_per_cta):
             words = cute.recast_tensor(rXs[u], Int32)
             words[0] = words[0] | tie
-        # Destinations: this lane's bytes of row 0 plus row * row stride (codes; a row stride
-        # fits 32 bits), and its group column's scale of row 0 plus 4 * row (MN-major scales).
-        q_base = cute.local_tile(mQ[0, None], (self.elems_per_lane,), (chunk,)).iterator.toint()
-        q_row_bytes = Uint32(mQ.stride[0])
         s_base = (mS.iterator + group * mS.stride[1]).toint()
-        for u in cutlass.range_constexpr(self.rows_per_thread):
+        for u in cutlass.range_constexpr(self.tokens_per_cta):
             rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
             scale = quantize_group_fp8(rXs[u], rQ, self.lanes, self.ue8m0)
-            codes = cute.recast_tensor(rQ, Int32)
+            cute.autovec_copy(cute.recast_tensor(rQ, Int32), cute.local_tile(sQ[None, u], (self.elems_per_lane // 4,), (tidx,)))
             # A destination row is written when it lies in [0, end) (-1: expert not local), as an
             # unsigned compare; tokens past T write nothing.
-            row_end = cutlass.select_(first_tok + u * self.rows_per_pass < num_tokens, Uint32(end), Uint32(0))
-            for j in cutlass.range_constexpr(self.k):
-                row = cute.arch.shuffle_sync(entries[u][j // self.lanes], j % self.lanes, mask_and_clamp=self.segment)
-                # mul.wide.u32: one IMAD.WIDE.U32 with the base as addend (a 64-bit product from
-                # the DSL costs an extra add of its zero high word).
-                q_addr = q_base + Int64(cute.arch.mul_wide(Uint32(row), q_row_bytes))
-                store_if(Uint32(row) < row_end, q_addr, [codes[w] for w in range(cute.size(codes))])
-            # The scale (every lane has it): lane l stores it to destination l (and l + 16), the
-            # entry it loaded itself.
+            row_end = cutlass.select_(first_tok + u < num_tokens, Uint32(end), Uint32(0))
             for m in cutlass.range_constexpr(self.entries_per_lane):
                 row = entries[u][m]
-                ok = Uint32(row) < row_end and lane + m * self.lanes < self.k
+                ok = Uint32(row) < row_end and lane + m * self.lanes < self.k and active
                 store_if(ok, s_base + Int64(row) * 4, [scale.bitcast(Int32)])
+        # The codes written by st.shared must be visible to the bulk copies (the async proxy).
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.sync_threads()
+        if tidx < self.k:
+            nbytes = cutlass.min(self.slab_groups, groups - slab * self.slab_groups) * GROUP
+            q_base = mQ.iterator.toint() + Int64(slab * self.slab_groups * GROUP)
+            for u in cutlass.range_constexpr(self.tokens_per_cta):
+                row_end = cutlass.select_(first_tok + u < num_tokens, Uint32(end), Uint32(0))
+                for m in cutlass.range_constexpr(self.entries_per_lane):
+                    row = entries[u][m]
+                    if tidx // self.lanes == m and Uint32(row) < row_end:
+                        dst = q_base + Int64(cute.arch.mul_wide(Uint32(row), Uint32(mQ.stride[0])))
+                        bulk_store(dst, sQ[None, u].iterator, nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the reads
 
     @cute.jit
     def zero_padding(self, mR2T, mQ, mS, block, end, num_tokens, tidx):
@@ -505,7 +538,9 @@ def permute_cuda(a_in: torch.Tensor, a_in_scale: torch.Tensor, row_to_token: tor
 
 def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect permute_quant``."""
-    quant_smem = PermuteQuantKernel(torch_to_cutlass_dtype(torch.bfloat16), False).smem_bytes()
+    bf16 = torch_to_cutlass_dtype(torch.bfloat16)
+    quant_smem = PermuteQuantKernel(bf16, False).smem_bytes()
+    token_smem = TokenPermuteQuantKernel(bf16, False, 8).smem_bytes()
     fmts = ("none", "ue8m0")
     return (
         [
@@ -520,7 +555,7 @@ def inspect_variants(arch: str):
             (
                 f"permute_quant[bfloat16, token-major, k={k}, scale_fmt={fmt}]",
                 compile_permute_quant_tokens(torch.bfloat16, fmt == "ue8m0", k, arch, True),
-                0,
+                token_smem,
             )
             for k, fmt in ((8, "none"), (8, "ue8m0"), (20, "none"))
         ]
@@ -528,7 +563,7 @@ def inspect_variants(arch: str):
             (
                 "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]",
                 compile_permute_quant_tokens(torch.bfloat16, False, 8, arch, True, False),
-                0,
+                token_smem,
             )
         ]
         + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
