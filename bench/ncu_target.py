@@ -62,13 +62,20 @@ def _layer(tokens=1):
                                                 FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING)  # fmt: skip
 
 
-def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8):
+def _stream(kind: str, nbytes: int = 1 << 30):
+    """HBM reference streams: ``write`` (a fill kernel, write only) and ``read`` (a sum, read only)."""
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    return (lambda: buf.fill_(7)) if kind == "write" else (lambda: buf.sum(dtype=torch.int64))
+
+
+def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8, zero_padding=True):
     from cute_moe.reference import align_ref
 
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
     offsets, row_to_token, token_to_row, _ = align_ref(ids, e, 128)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
-    return lambda: cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=token_to_row if token_major else None)
+    t2r = token_to_row if token_major else None
+    return lambda: cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=t2r, zero_padding=zero_padding)
 
 
 def _silu(t: int = 16384, e: int = 256, k: int = 8, inter: int = 2048):
@@ -85,6 +92,9 @@ def _silu(t: int = 16384, e: int = 256, k: int = 8, inter: int = 2048):
 TARGETS = {
     "permute_quant_tokens": lambda: _permute_quant(True),
     "permute_quant_rows": lambda: _permute_quant(False),
+    "permute_quant_fused": lambda: _permute_quant(True, zero_padding=False),
+    "hbm_write_1g": lambda: _stream("write"),
+    "hbm_read_1g": lambda: _stream("read"),
     "silu_16384": _silu,
     "gemm_w13": lambda: _gemm(4096, 7168),
     "gemm_w2": lambda: _gemm(7168, 2048),

@@ -20,8 +20,8 @@ import pytest
 
 ARCHS = ("sm_90a", "sm_100a")
 MODULES = ("cute_moe.kernels.permute_quant", "cute_moe.kernels.silu_mul_quant")
-ELEMS_PER_THREAD = 4 * 8  # 4 rows x 8 elements of 16 bytes of bf16
-LOOKUP_PER_LANE = 8  # moe_rows.LOOKUP_PER_LANE (not imported: importing it imports cutlass)
+SILU_ROWS = 2  # silu_mul_quant: rows per thread, each 16 outputs (two 16-byte pieces of gate, two of up)
+ELEMS_PER_THREAD = SILU_ROWS * 16
 TOKEN_MAJOR = ((8, "none"), (8, "ue8m0"), (20, "none"))  # permute_quant's token-major variants (k, fmt)
 
 _SCRIPT = r"""
@@ -160,7 +160,7 @@ def test_silu_mul_quant_sass(arch):
     for k, ue8m0 in zip(kernels, (False, True, False, True)):
         counts, ops = k["sass_counts"], k["opcodes"]
         assert counts.get("F2FP", 0) > 0 and counts.get("SHFL", 0) > 0
-        assert counts.get("LDGSTS", 0) == 8, "gate and up: 4 rows each, 16 bytes per cp.async"
+        assert counts.get("LDGSTS", 0) == 8, "gate and up: 2 rows x 2 pieces each, 16 bytes per cp.async"
         assert _last(ops, "LDGSTS") < _first(ops, "SHFL.BFLY", after=_first(ops, "LDGSTS")), (
             "row loads interleaved with math"
         )
@@ -169,20 +169,28 @@ def test_silu_mul_quant_sass(arch):
         assert _count(ops, "FFMA.SAT") == ELEMS_PER_THREAD
         assert _count(ops, "FFMA.RM") == ELEMS_PER_THREAD
         assert _count(ops, "MUFU.EX2") == ELEMS_PER_THREAD
-        assert _count(ops, "MUFU.RCP") == ELEMS_PER_THREAD + (0 if ue8m0 else 4)
-        assert 0 < k["registers"] <= 48 and k["expected_smem"] == 32768
-    for k in kernels[:2]:  # without counts: expert_offsets[-1] is the only plain load
-        assert k["opcodes"].count("LDG.E") == 1 and _count(k["opcodes"], "SHFL.BFLY") == 4 * 4
+        assert _count(ops, "MUFU.RCP") == ELEMS_PER_THREAD + (0 if ue8m0 else SILU_ROWS)
+        # FFMAs: 5 in expf and 4 in the division per element; per row 2 for amax / 448 and (not
+        # ue8m0) 2 for the Newton step of 1/scale.  The quotient is y * (1/scale) (no residual
+        # FMAs: correctly_rounded=False).
+        assert _count(ops, "FFMA") == 9 * ELEMS_PER_THREAD + SILU_ROWS * (2 if ue8m0 else 4)
+        # 8 lanes per (row, group): 3 butterfly steps per row; codes in two 8-byte stores per row.
+        assert _count(ops, "SHFL.BFLY") == 3 * SILU_ROWS and "SHFL.IDX" not in ops
+        assert ops.count("STG.E.64") == 2 * SILU_ROWS and ops.count("STG.E") == SILU_ROWS
+        assert k["expected_smem"] == 32768 + 32, "input slots, then one word per warp"
+        assert k["registers"] <= 40, "at most 40 registers: 6 CTAs of 256 threads per SM, as shared memory allows"
+    for k in kernels[:2]:  # without counts: expert_offsets[-1] is the only plain load, no barrier
+        assert k["opcodes"].count("LDG.E") == 1 and "BAR" not in k["sass_counts"]
     for k in kernels[2:]:
-        # With counts, every warp looks up its block's segment: off[e], off[e + 1], counts[e] of
-        # 8 segments per lane, all loaded before the warp max (one memory round trip for E <= 256),
-        # then the skip decision (made warp-uniform), and only then the row loads.
+        # With counts, the CTA looks up its block's segment: thread t loads off[t], off[t + 1] and
+        # counts[t] (one memory round trip for E <= 256), a warp max (REDUX on sm_90a, CREDUX on
+        # sm_100a), one barrier, then the skip decision (made warp-uniform), and only then the
+        # row loads.
         counts, ops = k["sass_counts"], k["opcodes"]
-        assert ops.count("LDG.E") == 1 + 3 * LOOKUP_PER_LANE
-        max_lookup = _first(ops, "SHFL.BFLY")
-        assert _last(ops, "LDG.E") < max_lookup and _first(ops, "LDGSTS") > _first(ops, "SHFL.IDX") > max_lookup
-        assert _count(ops, "SHFL.BFLY") == 5 + 4 * 4 and _count(ops, "SHFL.IDX") == 1
+        assert ops.count("LDG.E") == 1 + 3
+        redux = _first(ops, "REDUX" if arch == "sm_90a" else "CREDUX")
+        assert _last(ops, "LDG.E") < redux < _first(ops, "BAR.SYNC") < _first(ops, "LDGSTS")
+        assert counts.get("BAR", 0) == 1 and counts.get("STS", 0) == 1
         # The quantizer's shuffles sit under the skip branch: ptxas must see it as warp-uniform
         # (no WARPSYNC / collective fallback around every shuffle).
         assert "WARPSYNC" not in counts and "ENDCOLLECTIVE" not in counts
-        assert k["registers"] <= 40, "at most 40 registers: 6 CTAs of 256 threads per SM, as shared memory allows"

@@ -4,8 +4,9 @@
 over six decades, so gates below -87.3 -- where the kernel returns a signed
 zero for silu instead of a value under 1.1e-36 -- are common) and routings from
 ``align_ref``.  Acceptance on rows ``< expert_offsets[-1]``: codes identical on
->= 99.99% (the kernel mirrors torch's f32 silu bit for bit elsewhere, so in
-practice 100%), scales bit-exact, nothing left unwritten (poisoned allocator);
+>= 99.99% (the kernel mirrors torch's f32 silu bit for bit elsewhere; its
+quotient ``y * (1/scale)`` moves about one code in a million to the neighbouring
+e4m3 value), scales bit-exact, nothing left unwritten (poisoned allocator);
 rows past ``expert_offsets[-1]`` are never touched.
 
 With ``expert_counts`` (align's fourth output) only the real rows
@@ -95,7 +96,9 @@ def _special_halves():
 @pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
 def test_silu_special_values(scale_fmt):
     """Groups made only of special values (their scale comes from them) and groups half special,
-    half ordinary; every code and scale must equal the reference's."""
+    half ordinary; every code and scale of those must equal the reference's (their amax, 1e30 *
+    |up|, sends every other quotient to a zero code).  The ordinary groups beside them get the
+    usual acceptance."""
     sg, su = _special_halves()
     og, ou = (t.float().cpu() for t in random_activations(16, 256, torch.bfloat16, seed=31).split(128, dim=1))
     pure = torch.cat([sg, og, su, ou], dim=1)  # I = 256: group 0 special, group 1 ordinary
@@ -105,7 +108,9 @@ def test_silu_special_values(scale_fmt):
     offsets = torch.tensor([0, h.shape[0]], dtype=torch.int32, device="cuda")
     a2, _ = _check(h, offsets, True, scale_fmt)
     a2_ref, _ = silu_mul_quant_ref(h, offsets, True, scale_fmt)
-    assert torch.equal(a2.view(torch.uint8), a2_ref.view(torch.uint8))
+    codes, ref = a2.view(torch.uint8), a2_ref.view(torch.uint8)
+    special = len(pure)  # rows [0, 16): group 0 special, group 1 ordinary; rows [16, 32): mixed
+    assert torch.equal(codes[:special, :128], ref[:special, :128]) and torch.equal(codes[special:], ref[special:])
 
 
 def test_silu_rows_past_end_untouched():
@@ -205,7 +210,7 @@ def test_silu_cuda_graph_new_offsets(with_counts):
         a2_ref, s_ref = silu_mul_quant_ref(h, offsets, True)
         if counts is None:
             end = int(offsets[-1])
-            assert code_match_fraction(a2[:end], a2_ref[:end]) == 1.0 and same_bits(s[:end], s_ref[:end])
+            assert code_match_fraction(a2[:end], a2_ref[:end]) >= 0.9999 and same_bits(s[:end], s_ref[:end])
         else:
             _check_real_rows(h, offsets, True, None, counts, a2, s, a2_ref, s_ref)
 

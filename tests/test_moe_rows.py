@@ -1,7 +1,7 @@
 """Which rows the row-walking kernels (``silu_mul_quant``) process, on the CPU.
 
 ``moe_rows.processed_rows`` is the executable model of the device arithmetic (``rows_end``,
-``real_rows_end`` and the 64-row block loop).  For routings from ``align_ref``: without counts
+``real_rows_end`` and the 64-row blocks).  For routings from ``align_ref``: without counts
 every row below ``expert_offsets[-1]``; with ``align``'s counts every real row
 ``[off[e], off[e] + counts[e])`` whatever the alignment, and with segments of multiples of 64
 rows (the GEMM's 128) nothing else -- the padding is neither read nor written."""

@@ -1,7 +1,7 @@
 """Device pieces shared by the kernels that walk the rows of an MoE layout
 (``permute_quant``, ``permute``, ``silu_mul_quant``).
 
-* ``RowGroupKernel``: the CTA shape they share.  One (row, group of 128
+* ``RowGroupKernel``: the row-major gathers' CTA shape.  One (row, group of 128
   columns) is handled by ``lanes`` consecutive lanes owning 16 bytes of input
   each; 256 threads, 4 rows per thread; the grid is ``(groups, row blocks)``
   with group columns fastest and a grid-stride loop past 65535 row blocks.
@@ -9,8 +9,8 @@
   from ``expert_offsets[-1]`` (clamped to the buffer's ``M_cap`` rows), so the
   host never synchronises and the grid is sized from the static ``M_cap``.
 * ``real_rows_end``: with ``align``'s ``expert_counts``, the end of the real
-  (routed) rows of the segment holding a block of rows, found by one warp in one
-  round of loads (see its docstring): rows of the block at or past it are padding.
+  (routed) rows of the segment holding a block of rows, found by the whole CTA in
+  one round of loads (see its docstring): rows of the block at or past it are padding.
 """
 from __future__ import annotations
 
@@ -25,10 +25,6 @@ from .host_checks import check_rows_16b
 
 GROUP = 128
 MAX_GRID_Y = 65535
-# real_rows_end: segments each lane looks at per round of loads (32 lanes x 8 = 256 = DeepSeek-V3's E,
-# so one round at every E <= 256; larger E loops).
-LOOKUP_PER_LANE = 8
-_INT32_MAX = 2**31 - 1
 
 
 class RowGroupKernel:
@@ -99,7 +95,8 @@ def rows_end(mOff: cute.Tensor, num_rows) -> Int32:
 
 
 @cute.jit
-def real_rows_end(mOff: cute.Tensor, mCnt: cute.Tensor, first_row: Int32, last_row: Int32, end: Int32) -> Int32:
+def real_rows_end(mOff: cute.Tensor, mCnt: cute.Tensor, first_row: Int32, last_row: Int32, end: Int32,
+                  sWarp: cute.Tensor, tidx: Int32, num_threads: cutlass.Constexpr) -> Int32:  # fmt: skip
     """With ``align``'s counts: the rows of the block ``[first_row, last_row]`` to process are those
     below the returned bound (``<= end``); the rest are padding.
 
@@ -109,41 +106,33 @@ def real_rows_end(mOff: cute.Tensor, mCnt: cute.Tensor, first_row: Int32, last_r
     straddles segment ends (a routing aligned to fewer rows) gets ``end``: every row processed, as
     without counts.  No segment holds ``first_row`` (rows before ``off[0]``): 0, nothing processed.
 
-    Each lane loads ``off[e]``, ``off[e + 1]`` and ``counts[e]`` of ``LOOKUP_PER_LANE`` segments
-    ``e = base + 32 j + lane``, all issued before the first compare (one memory round trip for E
-    up to 256), and the matching lane's bound is a warp max.  Every lane of the warp must call it;
-    the result is warp-uniform.  It reads nothing out of bounds, whatever the data.
+    Found by the whole CTA of ``num_threads`` threads: thread t looks at segment t (then t +
+    num_threads, ... for larger E) with its three loads issued before the first compare (one memory
+    round trip), a warp's bound is one ``redux.sync``, the CTA's the max of the warps' (``sWarp``:
+    one Int32 per warp in shared memory) after one barrier, so every thread of the CTA must call
+    it.  About 40 instructions per thread, where one warp scanning all E = 256 segments costs
+    ~150.  The result is CTA-uniform; nothing is read out of bounds, whatever the data.
     """
-    lane = cute.arch.lane_idx()
     num_experts = mOff.shape[0] - 1
     bound = Int32(0)
-    for base in cutlass.range(0, num_experts, 32 * LOOKUP_PER_LANE, unroll=1):
-        lo = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
-        hi = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
-        cnt = cute.make_rmem_tensor((LOOKUP_PER_LANE,), Int32)
-        for j in cutlass.range_constexpr(LOOKUP_PER_LANE):
-            e = base + j * 32 + lane
-            lo[j] = Int32(_INT32_MAX)  # a segment past E matches no row
-            hi[j] = Int32(0)
-            cnt[j] = Int32(0)
-            if e < num_experts:
-                lo[j] = mOff[e]
-                hi[j] = mOff[e + 1]
-                cnt[j] = mCnt[e]
-        for j in cutlass.range_constexpr(LOOKUP_PER_LANE):
-            if lo[j] <= first_row:
-                if first_row < hi[j]:
-                    seg = lo[j] + min(cnt[j], hi[j] - lo[j])
-                    if last_row >= hi[j]:
-                        seg = end  # the block straddles segments: process every row
-                    bound = max(bound, seg)
-    bound = cute.arch.warp_reduction(bound, lambda a, b: cutlass.max(a, b))
-    return min(bound, end)
+    for base in cutlass.range(0, num_experts, num_threads, unroll=1):
+        e = base + tidx
+        if e < num_experts:
+            lo, hi, cnt = mOff[e], mOff[e + 1], mCnt[e]
+            seg = cutlass.select_(last_row < hi, lo + min(cnt, hi - lo), end)
+            bound = max(bound, cutlass.select_(lo <= first_row and first_row < hi, seg, 0))
+    bound = cute.arch.warp_redux_sync(bound, "max")
+    if tidx % 32 == 0:
+        sWarp[tidx // 32] = bound
+    cute.arch.sync_threads()
+    for w in cutlass.range_constexpr(num_threads // 32):
+        bound = max(bound, sWarp[w])
+    return cute.arch.make_warp_uniform(min(bound, end))
 
 
 def processed_rows(offsets: list[int], counts: list[int] | None, m_cap: int, rows_per_cta: int) -> list[int]:
-    """The rows a ``RowGroupKernel`` kernel loads and stores, ascending: the executable model of
-    ``rows_end`` and ``real_rows_end`` and of the block loop (tested on the CPU).  Without counts,
+    """The rows ``silu_mul_quant`` loads and stores, ascending: the executable model of ``rows_end``
+    and ``real_rows_end`` over its blocks of rows (tested on the CPU).  Without counts,
     every row below ``end = min(off[-1], m_cap)``; with counts, per block of ``rows_per_cta`` rows,
     those below ``real_rows_end``'s bound."""
     end = max(min(offsets[-1], m_cap), 0)

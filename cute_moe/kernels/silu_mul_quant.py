@@ -42,18 +42,37 @@ magnitude below ``1.1e-36 * |up|`` (below -88.72 torch divides by +inf and gets
 the same signed zero).  Codes and scales are still identical there
 for any ``|up| < 2e24``: such a value is below the 1e-6 amax floor, so it never
 sets the scale, and divided by any scale (>= 1e-6 / 448) it rounds to an FP8
-zero of the same sign.  The quantizer is the one ``quant_fp8`` uses (``y = -0.0``
-gives code 0x80, like the reference's true division).
+zero of the same sign.
 
-Mapping (as in ``quant_fp8``): one (row, group of 128 outputs) is handled by
-16 consecutive lanes, each owning 8 outputs, i.e. 16 bytes of gate and 16 bytes
-of up; a CTA of 256 threads covers 16 rows per pass and 4 passes (64 rows of one
-group column); the grid is ``(I / 128, ceil(M_cap / 64))``, group columns
-fastest, with a grid-stride loop past 65535 row blocks.  Each thread issues its
-8 loads of 16 bytes (128 bytes) as ``cp.async`` into per-thread shared-memory
-slots (32 KB per CTA), waits once, then computes row by row from its slots:
-with plain loads ptxas interleaves the loads with the ~25 instructions of math
-per element (seen in the SASS), and the data would occupy 32 more registers.
+The quantizer is ``quant_fp8``'s with ``correctly_rounded=False`` (see
+``fp8_group``): the scale is the contract's, bit for bit (it comes from the
+bit-exact group max), but ``y / scale`` is taken as ``y * (1/scale)``, one
+multiply per element instead of three instructions.  The product is within one
+f32 ulp of ``RN(y / scale)``, so a code can only move to the neighbouring e4m3
+value, where the quotient lies within an ulp of an e4m3 rounding midpoint.
+CPU emulation (y from bf16 data, 8.4e7 elements each): 6e-7 of the codes
+differ for N(0, 1) inputs, 2.5e-6 with magnitudes over six decades, most of
+them exact ties of ``y / scale`` (bf16 products make short quotients); the
+contract allows 1e-4.  ``y = -0.0`` gives code 0x80, like the reference's
+division.
+
+Mapping: one (row, group of 128 outputs) is handled by 8 consecutive lanes,
+lane l owning the 16 outputs of columns ``[8l, 8l + 8)`` and ``[64 + 8l, 72 +
+8l)`` of the group, i.e. two 16-byte pieces of gate and two of up, so that each
+16-byte load instruction of a warp covers whole 128-byte lines (and each 8-byte
+code store whole 32-byte sectors).  Sixteen outputs per lane halve the per-row
+costs per output against 8 per lane: the amax butterfly (3 shuffle steps), the
+scale and its reciprocal, the stores.  A CTA of 256 threads covers 32 rows per
+pass and 2 passes (64 rows of one group column).  The grid is ``(I / 128,
+min(blocks, 65535), ceil(blocks / 65535))`` for ``blocks = ceil(M_cap / 64)``,
+group columns fastest, one block of 64 rows per CTA and no loop (a grid-stride
+loop made ptxas keep the loads' per-thread addresses live through the math:
+44 registers, 5 CTAs per SM).  Each thread issues its 8 loads of 16 bytes
+(128 bytes) as ``cp.async`` into per-thread shared-memory slots (32 KB per
+CTA), waits once, then computes row by row from its slots: with plain loads
+ptxas interleaves the loads with the ~20 instructions of math per element, and
+the data would occupy 32 more registers.  The addresses of a thread's loads and
+stores are one base per tensor plus immediates and multiples of the row stride.
 Loads of rows at or past ``end`` are skipped (those rows compute on stale slots
 and store nothing), and CTAs whose rows all lie past ``end`` exit at once.
 
@@ -64,19 +83,22 @@ content is unspecified), so the traffic is the routed rows only (DeepSeek-V3
 shape, E=256, top-8: 11% fewer bytes at T=16384, 31% at T=4096, 75% at T=1024,
 97% at T=128, where nearly every segment is one 128-row tile of a few rows). A
 CTA's 64 rows divide 128, so with segments of multiples of 128 rows
-(``align(..., alignment=128)``, as the GEMM needs) they lie in one segment:
-every warp finds it and its end of real rows itself (``moe_rows.real_rows_end``:
-three loads per segment, 8 segments per lane, all issued before the first
-compare, then a warp max; no barrier), before issuing its loads. A block of pure
+(``align(..., alignment=128)``, as the GEMM needs) they lie in one segment; the
+CTA finds it and its end of real rows before issuing its loads
+(``moe_rows.real_rows_end``: one segment per thread, three loads issued
+together, a ``redux.sync`` per warp, one barrier). A block of pure
 padding then does nothing more; in a partial block the padding rows are treated
 like rows past ``end`` (predicated loads and stores). A block that straddles
 segment ends (a routing aligned to fewer than 64 rows) processes every row below
 ``end``, as without counts: never a wrong real row, whatever the alignment.
-SASS of this variant (sm_90a): 35 registers, 24 lookup loads then 5 + 1
-shuffles before the first ``cp.async``; ptxas leaves the ``.LTC128B`` L2
-prefetch hint off its row loads (it does so whenever the kernel holds the
-lookup's loop), which should not matter: each warp's 16-byte loads cover whole
-128-byte lines.
+
+SASS (sm_90a, per thread, i.e. per 32 outputs): 798 instructions without
+counts, 846 with (the kernel with 16 lanes per row, the exact quotient, a
+grid-stride loop and a per-warp lookup: 1025 and 1224); 40 and 32 registers
+(at most 40 for 6 CTAs per SM, the most that shared memory allows), no spills.
+The math is ~20 instructions per output: 8 for ``expf``, 7 for the division
+(with the clamp), 2 to widen bf16, the ``up`` multiply, the amax step, the
+quotient and half a conversion.
 
 Constraints (``can_implement``): h bf16 or fp16 with unit column stride, a
 16-byte aligned base and row stride (checked on the host); I a multiple of 128.
@@ -89,10 +111,11 @@ import cutlass.cute as cute
 import cutlass.utils
 import torch
 from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import cpasync
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
-from .fp8_group import to_f32
-from .moe_rows import GROUP, RowGroupKernel, checked_outputs, real_rows_end
+from .fp8_group import quantize_group_fp8, to_f32
+from .moe_rows import GROUP, MAX_GRID_Y, checked_outputs, real_rows_end, rows_end
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -139,18 +162,30 @@ def silu_mul(rG: cute.Tensor, rU: cute.Tensor, rY: cute.Tensor):
         rY[i] = _silu(g[i]) * u[i]
 
 
-class SiluMulQuantKernel(RowGroupKernel):
+class SiluMulQuantKernel:
     """Static configuration: input dtype, scale format, and whether the launch passes
-    ``expert_counts`` (real rows per segment; the rest of a segment is padding, skipped)."""
+    ``expert_counts`` (real rows per segment; the rest of a segment is padding, skipped).
+    CTA shape in the module docstring ("Mapping")."""
+
+    num_threads = 256
+    lanes = 8  # per (row, group)
+    pieces = 2  # 16-byte pieces of gate (and of up) per lane and row
+    rows_per_thread = 2
 
     def __init__(self, dtype, ue8m0: bool, has_counts: bool = False):
-        super().__init__(dtype.width // 8)
         self.dtype = dtype
         self.ue8m0 = ue8m0
         self.has_counts = has_counts
+        self.piece_elems = 128 // dtype.width
+        self.elems_per_lane = self.pieces * self.piece_elems
+        assert self.lanes * self.elems_per_lane == GROUP
+        self.rows_per_pass = self.num_threads // self.lanes
+        self.rows_per_cta = self.rows_per_pass * self.rows_per_thread
+        self.slots = 2 * self.rows_per_thread * self.pieces  # 16-byte shared-memory slots per thread
 
     def smem_bytes(self) -> int:
-        return 2 * 16 * self.num_threads * self.rows_per_thread
+        """Input slots, then one word per warp for ``real_rows_end`` (unused without counts)."""
+        return 16 * self.num_threads * self.slots + 4 * (self.num_threads // 32)
 
     @staticmethod
     def can_implement(dtype: torch.dtype, inter: int) -> str | None:
@@ -168,50 +203,98 @@ class SiluMulQuantKernel(RowGroupKernel):
             grid=self.grid(mQ), block=[self.num_threads, 1, 1], stream=stream
         )
 
+    @cute.jit
+    def grid(self, mOut: cute.Tensor):
+        """(groups, row blocks up to 65535, slices of 65535 row blocks): one block per CTA."""
+        blocks = cute.ceil_div(mOut.shape[0], self.rows_per_cta)
+        grid_y = blocks
+        if grid_y > MAX_GRID_Y:
+            grid_y = Int32(MAX_GRID_Y)
+        return [mOut.shape[1] // GROUP, grid_y, cute.ceil_div(blocks, MAX_GRID_Y)]
+
     @cute.kernel
     def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mOff: cute.Tensor, mCnt: cute.Tensor, mQ: cute.Tensor,
                mS: cute.Tensor):  # fmt: skip
-        tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
-        # cp.async into per-thread slots of shared memory (slot 2u: gate of row u, 2u + 1: up):
-        # all 8 loads are issued back to back, and none of the math can be scheduled between them.
-        g2s = self.load_16b_async(self.dtype)
-        slots = self.thread_slots(2 * self.rows_per_thread)
-        sIn = cutlass.utils.SmemAllocator().allocate_tensor(self.dtype, slots, byte_alignment=16)
-        for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
+        tidx, _, _ = cute.arch.thread_idx()
+        group, bidy, bidz = cute.arch.block_idx()
+        block = bidz * MAX_GRID_Y + bidy
+        end = rows_end(mOff, mQ.shape[0])
+        smem = cutlass.utils.SmemAllocator()
+        # Slot s of thread t at (s * num_threads + t) * 16 bytes: 16-byte shared loads of
+        # consecutive threads are adjacent (conflict-free).
+        slots = cute.make_layout(
+            (self.piece_elems, self.num_threads, self.slots),
+            stride=(1, self.piece_elems, self.piece_elems * self.num_threads),
+        )
+        sIn = smem.allocate_tensor(self.dtype, slots, byte_alignment=16)
+        sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads // 32), byte_alignment=16)
+        block_row = block * self.rows_per_cta
+        if block_row < end:
             if cutlass.const_expr(self.has_counts):
-                # Every warp finds the real rows of the block's segment itself (no barrier); a
-                # block of pure padding does nothing more, a partial one skips its padding rows.
-                block_row = block * self.rows_per_cta
+                # A block of pure padding does nothing more, a partial one skips its padding rows.
                 last_row = min(block_row + self.rows_per_cta, end) - 1
-                limit = cute.arch.make_warp_uniform(real_rows_end(mOff, mCnt, block_row, last_row, end))
+                limit = real_rows_end(mOff, mCnt, block_row, last_row, end, sWarp, tidx, self.num_threads)
                 if block_row < limit:
-                    self.block_rows(mG, mU, mQ, mS, sIn, g2s, block, limit, group, chunk, tidx)
+                    self.block_rows(mG, mU, mQ, mS, sIn, block, limit, group, tidx)
             else:
-                self.block_rows(mG, mU, mQ, mS, sIn, g2s, block, end, group, chunk, tidx)
+                self.block_rows(mG, mU, mQ, mS, sIn, block, end, group, tidx)
 
     @cute.jit
-    def block_rows(self, mG: cute.Tensor, mU: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, sIn: cute.Tensor, g2s,
-                   block: Int32, limit: Int32, group: Int32, chunk: Int32, tidx: Int32):  # fmt: skip
+    def pieces_of(self, mX: cute.Tensor, block: Int32, group: Int32, tidx: Int32):
+        """This thread's pieces of ``mX`` (h's halves, or the codes): ``pieces[p][None, u]`` is piece
+        p of its row u, the 8 elements at column ``group * 128 + (lane + 8 p) * 8`` of row
+        ``block * 64 + tidx // 8 + 32 u``.  One base address; the rest are constant offsets and
+        multiples of the row stride."""
+        tile = cute.local_tile(mX, (self.rows_per_cta, GROUP), (block, group))
+        parts = cute.flat_divide(tile, (self.rows_per_pass, self.piece_elems))  # (r, e, u, column piece)
+        view = parts[tidx // self.lanes, None, None, None]
+        lane = tidx % self.lanes
+        return [view[None, None, lane + p * self.lanes] for p in range(self.pieces)]
+
+    @cute.jit
+    def block_rows(self, mG: cute.Tensor, mU: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, sIn: cute.Tensor,
+                   block: Int32, limit: Int32, group: Int32, tidx: Int32):  # fmt: skip
         """The CTA's rows of one block: rows below ``limit`` are loaded, computed and stored."""
         first_row = block * self.rows_per_cta + tidx // self.lanes
+        # cp.async of 16 bytes, L2 only (streamed data).
+        g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
+        )
+        halves = (self.pieces_of(mG, block, group, tidx), self.pieces_of(mU, block, group, tidx))
         for u in cutlass.range_constexpr(self.rows_per_thread):
-            row = first_row + u * self.rows_per_pass
-            if row < limit:
-                for half, mIn in enumerate((mG, mU)):
-                    src = cute.local_tile(mIn[row, None], (self.elems_per_lane,), (chunk,))
-                    cute.copy(g2s, src, sIn[None, tidx, 2 * u + half])
+            if first_row + u * self.rows_per_pass < limit:
+                for half in cutlass.range_constexpr(2):
+                    for p in cutlass.range_constexpr(self.pieces):
+                        cute.copy(g2s, halves[half][p][None, u], sIn[None, tidx, self.slot(u, half, p)])
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
+        qPieces = self.pieces_of(mQ, block, group, tidx)
+        # The scale of the thread's row u at sRows[u]: one address, computed once for both rows.
+        sRows = cute.local_tile(mS, (self.rows_per_cta, 1), (block, group))
+        sRows = cute.flat_divide(sRows, (self.rows_per_pass, 1))[tidx // self.lanes, 0, None, 0]
+        store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Float8E4M3FN, num_bits_per_copy=64)
         for u in cutlass.range_constexpr(self.rows_per_thread):
             # A row at or past limit computes on stale slots: its lanes still join the quantizer's
             # shuffles (which stay within the row's lanes), and nothing of it is stored.
-            rG = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-            rU = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-            cute.autovec_copy(sIn[None, tidx, 2 * u], rG)
-            cute.autovec_copy(sIn[None, tidx, 2 * u + 1], rU)
+            rIn = [cute.make_rmem_tensor((self.elems_per_lane,), self.dtype) for _ in range(2)]
+            for half in cutlass.range_constexpr(2):
+                for p in cutlass.range_constexpr(self.pieces):
+                    piece = cute.zipped_divide(rIn[half], (self.piece_elems,))[None, p]
+                    cute.autovec_copy(sIn[None, tidx, self.slot(u, half, p)], piece)
             rY = cute.make_rmem_tensor((self.elems_per_lane,), Float32)
-            silu_mul(rG, rU, rY)
-            self.quantize_store(rY, mQ, mS, first_row + u * self.rows_per_pass, limit, group, chunk, tidx, self.ue8m0)
+            silu_mul(rIn[0], rIn[1], rY)
+            rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+            scale = quantize_group_fp8(rY, rQ, self.lanes, self.ue8m0, correctly_rounded=False)
+            row = first_row + u * self.rows_per_pass
+            if row < limit:
+                for p in cutlass.range_constexpr(self.pieces):
+                    cute.copy(store, cute.zipped_divide(rQ, (self.piece_elems,))[None, p], qPieces[p][None, u])
+                if tidx % self.lanes == 0:
+                    sRows[u] = scale
+
+    def slot(self, u: int, half: int, p: int) -> int:
+        """Shared-memory slot of piece p of gate (half 0) or up (half 1) of the thread's row u."""
+        return (2 * u + half) * self.pieces + p
 
 
 @cached_compile
@@ -226,7 +309,7 @@ def compile_silu_mul_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubi
     mOff = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)
     mCnt = fake_tensor(cutlass.Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
     mQ = fake_tensor(cutlass.Uint8, (m, inter), (cute.sym_int64(divisibility=16), 1))
-    mS = fake_tensor(Float32, (m, cute.sym_int()), (cute.sym_int64(), cute.sym_int64()), align=4)
+    mS = fake_tensor(Float32, (m, cute.sym_int()), (1, cute.sym_int64()), align=4)  # MN-major (checked_outputs)
     kernel = SiluMulQuantKernel(cdtype, ue8m0, has_counts)
     return compile_kernel(kernel, mG, mU, mOff, mCnt, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
