@@ -104,7 +104,7 @@ def test_permute_quant_sass(arch):
 NO_ZEROING = "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]"
 
 
-TOKENS_PER_CTA = 2  # token rows per gathering thread
+TOKENS_PER_CTA = 1  # token rows per gathering thread
 
 
 @pytest.mark.parametrize("arch", ARCHS)
