@@ -145,7 +145,8 @@ def test_permute_quant_token_major_sass(arch, top_k, fmt):
     assert _count(ops, "UBLKCP") == TOKENS_PER_CTA * entries and _last(ops, "UBLKCP") < _last(ops, "DEPBAR")
     assert ops.count("STG.E") == TOKENS_PER_CTA * entries + 1
     assert _count(ops, "STG.E.128") == 2 and _count(ops, "VOTE") == 1
-    assert 0 < k["registers"] <= (48 if top_k <= 16 else 64)
+    # 32 registers or fewer: 8 CTAs of 256 threads per SM (k = 20 holds twice the entries).
+    assert 0 < k["registers"] <= (32 if top_k <= 16 else 40)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

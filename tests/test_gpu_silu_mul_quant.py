@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from cute_moe.compiler import arch_of_device
+from cute_moe.kernels.moe_rows import MAX_GRID_Y
 from cute_moe.kernels.silu_mul_quant import compile_silu_mul_quant, silu_mul_quant_cuda
 from cute_moe.reference import align_ref, silu_mul_quant_ref
 
@@ -185,6 +186,17 @@ def test_silu_fp16(with_counts):
     offsets, row_to_token, counts = routed_maps_with_counts("ragged", 64, seed=43)
     h = random_activations(row_to_token.shape[0], 2048, torch.float16, seed=43)
     _check(h, offsets, True, None, counts if with_counts else None)
+
+
+@pytest.mark.parametrize("with_counts", [False, True])
+def test_silu_more_than_65535_row_blocks(with_counts):
+    """M_cap of 65538 blocks of 64 rows: the grid's third dimension covers the last 3 blocks (the
+    last one past end; with counts, 36 padding rows in the one before)."""
+    inter, m_cap = 128, (MAX_GRID_Y + 3) * 64
+    h = random_activations(m_cap, 2 * inter, torch.bfloat16, seed=44)
+    offsets = torch.tensor([0, m_cap - 64], dtype=torch.int32, device="cuda")
+    counts = torch.tensor([m_cap - 100], dtype=torch.int32, device="cuda") if with_counts else None
+    _check(h, offsets, True, None, counts)
 
 
 @pytest.mark.parametrize("with_counts", [False, True])

@@ -10,11 +10,12 @@ registers), per the contract's formula::
 
 ``correctly_rounded=False`` (the default is True; ``silu_mul_quant`` passes False) takes
 ``RN(x * r)`` for the quotient, ``r`` the Newton-refined reciprocal of the scale: one multiply
-per element instead of a multiply and two FMAs.  The scale is the same, bit for bit.  ``r`` is
-within an ulp of ``1/scale`` (it equalled ``RN(1/scale)`` in every group tried, even from a
-reciprocal estimate one ulp off), so ``RN(x * r)`` is within one f32 ulp of ``RN(x / scale)``;
-the e4m3 conversion being monotonic, a code can only move to the neighbouring e4m3 value, and
-only where the quotient lies within an ulp of an e4m3 rounding midpoint (exact ties included).
+per element instead of a multiply and two FMAs.  The scale is the same, bit for bit.  ``r``
+equalled ``RN(1/scale)`` in every group tried (even from a reciprocal estimate one ulp off), and
+then ``RN(x * r)`` is within one f32 ulp of ``RN(x / scale)``; were ``r`` an ulp off, within two.
+The e4m3 conversion being monotonic, a code can only move to the neighbouring e4m3 value, and
+only where the quotient lies within an ulp or two of an e4m3 rounding midpoint (exact ties
+included).
 Emulated on the CPU (8.4e7 elements per case), the fraction of codes that differ: 1.5e-7 for
 x uniform in [-1, 1], 6e-7 for ``silu(g) * u`` of bf16 N(0, 1) data, 2.5e-6 with magnitudes
 over six decades (products of bf16 values make short quotients, so exact ties are commoner).

@@ -55,19 +55,8 @@ class RowGroupKernel:
         _, grid_y, _ = cute.arch.grid_dim()
         return tidx, group, bidy, grid_y, rows_end(mOff, mOut.shape[0]), group * self.lanes + tidx % self.lanes
 
-    def load_16b_async(self, dtype):
-        """cp.async of 16 bytes, L2 only (streamed data)."""
-        return cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
-        )
-
     def thread_slots(self, count: int):
-        """Layout of ``count`` 16-byte slots per thread in shared memory: (elements, thread, slot),
-        consecutive threads' slots adjacent, so 16-byte shared loads are conflict-free."""
-        return cute.make_layout(
-            (self.elems_per_lane, self.num_threads, count),
-            stride=(1, self.elems_per_lane, self.elems_per_lane * self.num_threads),
-        )
+        return thread_slots(self.elems_per_lane, self.num_threads, count)
 
     @cute.jit
     def quantize_store(self, rX, mQ, mS, row, end, group, chunk, tidx, ue8m0: cutlass.Constexpr):
@@ -85,12 +74,27 @@ class RowGroupKernel:
                 mS[row, group] = scale
 
 
+def load_16b_async(dtype):
+    """cp.async of 16 bytes, L2 only (streamed data)."""
+    return cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128)
+
+
+def thread_slots(elems: int, num_threads: int, count: int):
+    """Layout of ``count`` 16-byte slots of ``elems`` elements per thread in shared memory:
+    (elements, thread, slot), consecutive threads' slots adjacent, so 16-byte shared loads are
+    conflict-free."""
+    return cute.make_layout((elems, num_threads, count), stride=(1, elems, elems * num_threads))
+
+
 @cute.jit
 def rows_end(mOff: cute.Tensor, num_rows) -> Int32:
-    """min(expert_offsets[-1], num_rows)."""
+    """expert_offsets[-1] clamped to [0, num_rows] (a negative end, outside the contract, writes
+    nothing rather than being read as a huge unsigned bound)."""
     end = mOff[mOff.shape[0] - 1]
     if end > num_rows:
         end = num_rows
+    if end < 0:
+        end = Int32(0)
     return end
 
 

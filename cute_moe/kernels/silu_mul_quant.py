@@ -11,7 +11,7 @@ then ``a2[r], scale[r] = quant(y)`` per group of 128 columns with the contract's
 formula (``fp8_group.quantize_group_fp8``).  Rows ``r >= end`` are neither read
 nor written.  Scales are written MN-major (``scale[r, g]`` at ``g * M_cap + r``).
 
-Numerics, bit for bit with the reference on CUDA (``F.silu(gate.float()) * up``):
+Numerics of ``y``, bit for bit with the reference on CUDA (``F.silu(gate.float()) * up``):
 
 * torch computes silu in f32 as ``x / (1 + ::expf(-x))``, compiled without fast
   math.  nvcc inlines libdevice's ``expf`` and contracts its final scaling
@@ -47,9 +47,11 @@ zero of the same sign.
 The quantizer is ``quant_fp8``'s with ``correctly_rounded=False`` (see
 ``fp8_group``): the scale is the contract's, bit for bit (it comes from the
 bit-exact group max), but ``y / scale`` is taken as ``y * (1/scale)``, one
-multiply per element instead of three instructions.  The product is within one
-f32 ulp of ``RN(y / scale)``, so a code can only move to the neighbouring e4m3
-value, where the quotient lies within an ulp of an e4m3 rounding midpoint.
+multiply per element instead of three instructions.  The product is within an
+f32 ulp or two of ``RN(y / scale)`` (one when the refined reciprocal is
+``RN(1/scale)``, as it was in every group tried), so a code can only move to the
+neighbouring e4m3 value, where the quotient lies that close to an e4m3 rounding
+midpoint.
 CPU emulation (y from bf16 data, 8.4e7 elements each): 6e-7 of the codes
 differ for N(0, 1) inputs, 2.5e-6 with magnitudes over six decades, most of
 them exact ties of ``y / scale`` (bf16 products make short quotients); the
@@ -111,11 +113,10 @@ import cutlass.cute as cute
 import cutlass.utils
 import torch
 from cutlass import Float32, Int32
-from cutlass.cute.nvgpu import cpasync
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
 from .fp8_group import quantize_group_fp8, to_f32
-from .moe_rows import GROUP, MAX_GRID_Y, checked_outputs, real_rows_end, rows_end
+from .moe_rows import GROUP, MAX_GRID_Y, checked_outputs, load_16b_async, real_rows_end, rows_end, thread_slots
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -220,12 +221,7 @@ class SiluMulQuantKernel:
         block = bidz * MAX_GRID_Y + bidy
         end = rows_end(mOff, mQ.shape[0])
         smem = cutlass.utils.SmemAllocator()
-        # Slot s of thread t at (s * num_threads + t) * 16 bytes: 16-byte shared loads of
-        # consecutive threads are adjacent (conflict-free).
-        slots = cute.make_layout(
-            (self.piece_elems, self.num_threads, self.slots),
-            stride=(1, self.piece_elems, self.piece_elems * self.num_threads),
-        )
+        slots = thread_slots(self.piece_elems, self.num_threads, self.slots)
         sIn = smem.allocate_tensor(self.dtype, slots, byte_alignment=16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads // 32), byte_alignment=16)
         block_row = block * self.rows_per_cta
@@ -257,9 +253,7 @@ class SiluMulQuantKernel:
         """The CTA's rows of one block: rows below ``limit`` are loaded, computed and stored."""
         first_row = block * self.rows_per_cta + tidx // self.lanes
         # cp.async of 16 bytes, L2 only (streamed data).
-        g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), self.dtype, num_bits_per_copy=128
-        )
+        g2s = load_16b_async(self.dtype)
         halves = (self.pieces_of(mG, block, group, tidx), self.pieces_of(mU, block, group, tidx))
         for u in cutlass.range_constexpr(self.rows_per_thread):
             if first_row + u * self.rows_per_pass < limit:
