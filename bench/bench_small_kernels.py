@@ -26,6 +26,10 @@ reads the routed rows of h (2I bf16) and writes their codes and scales (both
 ways: without counts the kernel also moves the padding rows, about 11% more
 bytes at T=16384 and nearly all of them at decode sizes); finalize and
 moe_reduce are in bench_finalize.py.
+
+The header also gives the write-only bandwidth of the same GPU (a fill kernel): permute_quant
+writes about four bytes for each one it reads, and on an H200 a pure write stream runs at ~78%
+of the copy figure, which bounds it well below the copy bandwidth.
 """
 from __future__ import annotations
 
@@ -57,6 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
+    write_gbs = timer.write_bandwidth_gbs()
     rows = []
     for t in TOKENS:
         offsets, row_to_token, token_to_row, counts = _routing(t)
@@ -91,12 +96,14 @@ def main() -> None:
             rows.append({"op": name, "T": t, "us": us, "gbs": nbytes / us / 1e3,
                          "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs, "torch_us": plain_us,
                          "padding_pct": 100 * (1 - routed / max(int(offsets[-1]), 1))})
-    print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
+    print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s   "
+          f"write-only (fill): {write_gbs:.0f} GB/s = {100 * write_gbs / copy_gbs:.1f}% of copy")
     print(f"{'op':>24} {'T':>6} {'us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7} {'%pad':>5}")
     for r in rows:
         print(f"{r['op']:>24} {r['T']:>6} {r['us']:>8.2f} {r['gbs']:>7.0f} {r['pct_copy']:>6.1f} "
               f"{r['torch_us']:>9.1f} {r['torch_us'] / r['us']:>7.1f} {r['padding_pct']:>5.1f}")
-    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "write_gbs": write_gbs,
+                           "rows": rows})
 
 
 if __name__ == "__main__":

@@ -83,6 +83,13 @@ class Timer:
         us = self.kernel_us(lambda: dst.copy_(src), reps=30)
         return 2 * nbytes / us / 1e3
 
+    def write_bandwidth_gbs(self, nbytes: int = 1 << 30) -> float:
+        """Write-only bandwidth (a fill kernel): the ceiling of a write-mostly stream, which on an
+        H200 is well below the copy figure."""
+        dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        us = self.kernel_us(lambda: dst.fill_(7), reps=30)
+        return nbytes / us / 1e3
+
 
 def host_us_per_call(fn, calls: int = 2000) -> float:
     """Mean wall time of an eager call on the host (the GPU queue keeps up for small problems)."""
