@@ -42,9 +42,10 @@ from the shapes by ``cluster_along_m``:
   out by TMA stores, which clip columns past N; the producer warps meanwhile run
   ahead into the next tile.  For short K loops (K <= 2048, ``store_behind_epilogue``)
   the whole tile goes to shared memory at once and its stores drain during the next
-  tile's K loop; otherwise two sub-tile buffers alternate, each reused once read.  With ``expert_counts``, a warp group whose 64 rows
-  of the tile are all past the segment's count waits for and frees every stage
-  without issuing math (its rows come out zero).
+  tile's K loop; otherwise two sub-tile buffers alternate, each reused once read.
+  With ``expert_counts``, a warp group whose 64 rows of the tile are all past the
+  segment's count waits for and frees every stage without issuing math (its rows
+  come out zero).
 
 Rows before ``expert_offsets[0]`` (normally 0) and at or past ``expert_offsets[-1]`` are
 unspecified.  Constraints: K % 128 == 0; N % 8 == 0; M_cap % 128 == 0 and every segment length a
@@ -547,8 +548,9 @@ def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: 
 
 def store_behind_epilogue(k: int) -> bool:
     """The store-behind epilogue for short K loops (at most 16 K blocks), where the epilogue is a
-    tenth of a tile's time: measured G4xM8192 7168x2048 -5%, DeepSeek-V3 w2 at T=8192 -2 to -5%;
-    at K = 7168 it gained nothing and its stage less cost up to 4% (bench/NOTES.md, session 7)."""
+    tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes -3.4 to -3.8%,
+    decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage less costs
+    +1 to +4% on contiguous and routed shapes (it gains 1-3% only at decode-like sizes)."""
     return k <= 16 * TILE_K
 
 
