@@ -283,7 +283,8 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
                 mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None,
                 pairs: cutlass.Constexpr = False):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
-    stage of ``scale_pipe`` (a PipelineCpAsync: each lane's arrive fires when its copies land).
+    stage of ``scale_pipe`` (a PipelineCpAsync, or on sm90 ``ScalesIntoStages``: the producer side
+    of a pipeline whose commit is each lane's ``cp.async`` arrive, which fires when its copies land).
     With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage.  ``pairs``:
     clusters along M (a tile past the last one reads its partner's scales), else along N."""
     first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]

@@ -25,10 +25,11 @@ from the shapes by ``cluster_along_m``:
   (128 x 128) into one of ``STAGES`` shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
-  so 512 contiguous bytes: 16 per lane) and its one B scale into the same stage
-  index of a lockstep ``PipelineCpAsync``: asynchronous like the TMA, so a scale's
-  global-memory latency never stalls the stream of tiles, and the math warps read
-  scales from shared memory only.  With a visit's first K block it also copies the
+  so 512 contiguous bytes: 16 per lane) and its one B scale into the K block's stage
+  (``ScalesIntoStages``): each lane's copies count as one arrival on the stage's full
+  barrier, so the math warps wait once per K block for tiles and scales together (a
+  separate scale pipeline cost a second wait per block: 0.5-1% at prefill, session 9),
+  and they read scales from shared memory only.  With a visit's first K block it also copies the
   visit's segment record (the expert's two offsets and its count), so the math warps
   read nothing from global memory at all (a lookup between visits idled the tensor cores).
   Both producer warps look up the next visit's expert right after issuing the current
@@ -55,6 +56,8 @@ this is written as NaN, never as a plausible wrong answer.  A, B K-major with
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.memory
@@ -79,6 +82,25 @@ _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
 _NUM_CONSUMER_WARPS = 8
 _EPI_BARRIER = 1  # named barrier of the math warps (0 is __syncthreads)
+
+
+@dataclass(frozen=True)
+class ScalesIntoStages:
+    """The scale warp's side of the K-block pipeline, for ``load_scales``: it waits for a stage to be
+    free like the TMA warp, copies the block's scales into that stage, and counts as 32 of the
+    stage's full-barrier arrivals (one per lane, when the lane's cp.async copies have landed), so
+    that the math warps wait once per K block for tiles and scales together."""
+
+    ab_pipe: pipeline.PipelineTmaAsync
+
+    def producer_acquire(self, state):
+        self.ab_pipe.sync_object_empty.wait(state.index, state.phase)
+
+    def producer_commit(self, state):
+        cute.arch.cp_async_mbarrier_arrive_noinc(self.ab_pipe.sync_object_full.get_barrier(state.index))
+
+    def producer_tail(self, state):
+        """Nothing to wait for: the math warps wait for every stage this warp fills."""
 
 
 class GroupedGemmFp8Sm90:
@@ -159,7 +181,6 @@ class GroupedGemmFp8Sm90:
         @cute.struct
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            scale_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * TILE_M], 16]
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, self.stages], 16]
             sSeg: cute.struct.Align[cute.struct.MemRange[Int32, 3 * self.stages], 16]
@@ -217,18 +238,13 @@ class GroupedGemmFp8Sm90:
         ab_pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.ab_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            # A stage is full when the TMA thread's arrival (with the tiles' byte count) and one arrival
+            # per scale-warp lane (when that lane's cp.async copies have landed) are in.
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + 32),
             # Every consumer warp of both CTAs frees a stage: the partner may multicast into it.
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 2 * _NUM_CONSUMER_WARPS),
             tx_count=tx_bytes,
             cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
-            defer_sync=True,
-        )
-        scale_pipe = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.scale_barriers.data_ptr(),
-            num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32 * _NUM_CONSUMER_WARPS),
             defer_sync=True,
         )
         # Both CTAs' barriers are initialised before either multicasts into the other.
@@ -248,11 +264,11 @@ class GroupedGemmFp8Sm90:
             if warp_idx == _TMA_WARP:
                 self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched)
             if warp_idx == _SCALE_WARP:
-                load_scales(mSA, mSB, sSA, sSB, scale_pipe, self.stages, mOff, num_experts, lane, sched,
-                            segment=(mCnt, sSeg), pairs=self.along_m)  # fmt: skip
+                load_scales(mSA, mSB, sSA, sSB, ScalesIntoStages(ab_pipe), self.stages, mOff, num_experts, lane,
+                            sched, segment=(mCnt, sSeg), pairs=self.along_m)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, tidx - 128, sched)
+            self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, mC, tidx - 128, sched)
 
     @cute.jit
     def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched):
@@ -304,7 +320,7 @@ class GroupedGemmFp8Sm90:
         ab_pipe.producer_tail(state)
 
     @cute.jit
-    def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, scale_pipe, tma_c, mC, math_tidx, sched):
+    def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, mC, math_tidx, sched):
         """Math warp groups: per tile, the K loop, then the epilogue."""
         first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
         thr_mma = tiled_mma.get_slice(math_tidx)
@@ -329,7 +345,7 @@ class GroupedGemmFp8Sm90:
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = visit_coords(tile, sched, self.along_m)
             # The visit's segment record (start, end, count) came with its first stage's scales.
-            scale_pipe.consumer_wait(self._state(r_idx, r_ph))
+            ab_pipe.consumer_wait(self._state(r_idx, r_ph))
             seg_start, seg_end = sSeg[0, r_idx], sSeg[1, r_idx]
             # A tile of a segment that breaks the 128-row alignment comes out NaN (never a plausible
             # wrong answer): its accumulator starts as NaN, which every promotion keeps.
@@ -347,27 +363,27 @@ class GroupedGemmFp8Sm90:
                 # and moved by R2UR, convergence barriers around each block).
                 busy = cute.arch.make_warp_uniform(Int32(rows_left > (math_tidx // 128) * (TILE_M // 2))) != 0
             if cutlass.const_expr(not self.block_scaled):
-                r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx,
-                                                                r_ph, d_idx, d_ph)  # fmt: skip
+                r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, k_tiles, r_idx, r_ph, d_idx,
+                                                                d_ph)  # fmt: skip
             elif busy:
                 r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(
                     acc, (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB, rows, sSA, sSB, ab_pipe,
-                    scale_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph,
+                    k_tiles, r_idx, r_ph, d_idx, d_ph,
                 )  # fmt: skip
             else:
-                r_idx, r_ph = self.idle_k_loop(ab_pipe, scale_pipe, k_tiles, r_idx, r_ph)
+                r_idx, r_ph = self.idle_k_loop(ab_pipe, k_tiles, r_idx, r_ph)
                 d_idx, d_ph = r_idx, r_ph
             self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, math_tidx)
         if math_tidx // 32 == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
     @cute.jit
-    def scaled_k_loop(self, acc, buf0, buf1, tCrA, tCrB, rows, sSA, sSB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph,
+    def scaled_k_loop(self, acc, buf0, buf1, tCrA, tCrB, rows, sSA, sSB, ab_pipe, k_tiles, r_idx, r_ph,
                       d_idx, d_ph):  # fmt: skip
         """Block 0 into buffer 0, then pairs (next -> buffer 1 while buffer 0 is promoted, next ->
         buffer 0 while buffer 1 is), then the tail by the parity of the K block count.  A buffer is
         a temporary accumulator and its block's scales.  Returns the new pipeline positions."""
-        scales = (rows, sSA, sSB, scale_pipe)
+        scales = (rows, sSA, sSB)
         self.issue_scaled(buf0, tCrA, tCrB, ab_pipe, scales, r_idx, r_ph)
         r_idx, r_ph = self._next(r_idx, r_ph)
         for _pair in cutlass.range((k_tiles - 1) // 2, unroll=1):
@@ -397,28 +413,28 @@ class GroupedGemmFp8Sm90:
         return r_idx, r_ph, d_idx, d_ph
 
     @cute.jit
-    def unscaled_k_loop(self, acc, tCrA, tCrB, ab_pipe, scale_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph):
+    def unscaled_k_loop(self, acc, tCrA, tCrB, ab_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph):
         """The benchmark variant: every K block into ``acc``, one group in flight, scales unused."""
         for k in cutlass.range(k_tiles, unroll=1):
             self.issue(acc, tCrA, tCrB, ab_pipe, r_idx, r_ph, accumulate=True)
             r_idx, r_ph = self._next(r_idx, r_ph)
             if k > 0:
                 warpgroup.wait_group(1)
-                self.release(ab_pipe, scale_pipe, d_idx, d_ph)
+                ab_pipe.consumer_release(self._state(d_idx, d_ph))
                 d_idx, d_ph = self._next(d_idx, d_ph)
         warpgroup.wait_group(0)
-        self.release(ab_pipe, scale_pipe, d_idx, d_ph)
+        ab_pipe.consumer_release(self._state(d_idx, d_ph))
         d_idx, d_ph = self._next(d_idx, d_ph)
         return r_idx, r_ph, d_idx, d_ph
 
     @cute.jit
-    def idle_k_loop(self, ab_pipe, scale_pipe, k_tiles, idx, ph):
+    def idle_k_loop(self, ab_pipe, k_tiles, idx, ph):
         """A warp group with no real rows in the tile: wait for and free every stage (its arrivals
         are part of each stage's count) without touching the data.  Returns the new position."""
         for _k in cutlass.range(k_tiles, unroll=1):
             state = self._state(idx, ph)
             ab_pipe.consumer_wait(state)
-            self.release(ab_pipe, scale_pipe, idx, ph)
+            ab_pipe.consumer_release(state)
             idx, ph = self._next(idx, ph)
         return idx, ph
 
@@ -452,16 +468,13 @@ class GroupedGemmFp8Sm90:
     @cute.jit
     def issue_scaled(self, buf, tCrA, tCrB, ab_pipe, scales, idx, ph):
         """``issue`` into the buffer's accumulator, then, while the WGMMAs run, the block's scale of
-        each of the thread's rows into registers (and the scale stage freed at once)."""
+        each of the thread's rows into registers (they came with the stage)."""
         tmp, scl, _ = buf
-        (row0, row_offsets, _), sSA, sSB, scale_pipe = scales
+        (row0, row_offsets, _), sSA, sSB = scales
         self.issue(tmp, tCrA, tCrB, ab_pipe, idx, ph)
-        state = self._state(idx, ph)
-        scale_pipe.consumer_wait(state)
         b_scale = sSB[0, idx]
         for j in cutlass.range_constexpr(len(row_offsets)):
             scl[j] = sSA[row0 + row_offsets[j], idx] * b_scale
-        scale_pipe.consumer_release(state)
 
     @cute.jit
     def promote(self, acc, buf, ab_pipe, idx, ph):
@@ -471,14 +484,6 @@ class GroupedGemmFp8Sm90:
         ab_pipe.consumer_release(self._state(idx, ph))
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + tmp[i] * scl[which_row[i]]
-
-    @cute.jit
-    def release(self, ab_pipe, scale_pipe, idx, ph):
-        """Free the K block's stage in both pipelines without reading its scales."""
-        state = self._state(idx, ph)
-        ab_pipe.consumer_release(state)
-        scale_pipe.consumer_wait(state)
-        scale_pipe.consumer_release(state)
 
     def make_epilogue(self, tiled_mma, sC, acc, math_tidx):
         """The register -> shared memory (stmatrix) partitions."""
