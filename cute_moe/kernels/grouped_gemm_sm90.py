@@ -100,7 +100,9 @@ class ScalesIntoStages:
         cute.arch.cp_async_mbarrier_arrive_noinc(self.ab_pipe.sync_object_full.get_barrier(state.index))
 
     def producer_tail(self, state):
-        """Nothing to wait for: the math warps wait for every stage this warp fills."""
+        """Wait until the math warps have freed every stage (as the TMA warp does), so that none of
+        this warp's cp.async copies is still in flight when it exits."""
+        self.ab_pipe.producer_tail(state)
 
 
 class GroupedGemmFp8Sm90:
