@@ -68,11 +68,16 @@ def _stream(kind: str, nbytes: int = 1 << 30):
     return (lambda: buf.fill_(7)) if kind == "write" else (lambda: buf.sum(dtype=torch.int64))
 
 
-def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8, zero_padding=True):
+def _uniform_routing(t: int, e: int, k: int):
+    """align's (offsets, row_to_token, token_to_row, counts) for uniform top-k routing of t tokens."""
     from cute_moe.reference import align_ref
 
     ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
-    offsets, row_to_token, token_to_row, _ = align_ref(ids, e, 128)
+    return align_ref(ids, e, 128)
+
+
+def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 256, k: int = 8, zero_padding=True):
+    offsets, row_to_token, token_to_row, _ = _uniform_routing(t, e, k)
     x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
     t2r = token_to_row if token_major else None
     return lambda: cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=t2r, zero_padding=zero_padding)
@@ -80,10 +85,7 @@ def _permute_quant(token_major: bool, t: int = 16384, h: int = 7168, e: int = 25
 
 def _silu(t: int = 16384, e: int = 256, k: int = 8, inter: int = 2048):
     """silu_mul_quant as fused_moe calls it (align's counts), DeepSeek-V3 uniform top-8."""
-    from cute_moe.reference import align_ref
-
-    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k].to(torch.int32)
-    offsets, row_to_token, _, counts = align_ref(ids, e, 128)
+    offsets, row_to_token, _, counts = _uniform_routing(t, e, k)
     h = torch.randn(row_to_token.shape[0], 2 * inter, device="cuda", dtype=torch.bfloat16)
     counts = counts.to(torch.int32)
     return lambda: cute_moe.silu_mul_quant(h, offsets, expert_counts=counts)
