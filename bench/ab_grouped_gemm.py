@@ -2,7 +2,7 @@
 several rounds, and whether each variant's output equals the first's bit for bit on the rows the
 contract defines (below ``expert_offsets[-1]``).
 
-    python bench/ab_grouped_gemm.py [--rev REV] [--variant KEY=VAL[,KEY=VAL]] ... [--only SUBSTR]
+    python bench/ab_grouped_gemm.py [--rev REV] [--variant KEY=VAL[,KEY=VAL]] ... [--only SUBSTR] ...
                                     [--rounds N] [--reps N]
 
 Variants, in this order:
@@ -90,7 +90,8 @@ def main() -> None:
     parser.add_argument("--rev", default=None, help="also run the kernel as it was at this git revision (first)")
     parser.add_argument("--variant", action="append", type=parse_variant, default=[],
                         help="this tree's kernel with keyword overrides, e.g. along_m=1")  # fmt: skip
-    parser.add_argument("--only", default=None, help="only shapes whose name contains this substring")
+    parser.add_argument("--only", action="append", default=None,
+                        help="only shapes whose name contains this substring (repeatable: any of them)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
@@ -104,7 +105,7 @@ def main() -> None:
     variants += [(",".join(f"{k}={v}" for k, v in kw.items()), grouped_gemm_sm90.grouped_gemm_fp8_cuda, kw)
                  for kw in args.variant]  # fmt: skip
 
-    selected = [s for s in shapes() if args.only is None or args.only in s.name]
+    selected = [s for s in shapes() if args.only is None or any(o in s.name for o in args.only)]
     if not selected:
         sys.exit(f"no shape matches --only {args.only!r}")
     print(f"device: {torch.cuda.get_device_name()}   variants: {[v[0] for v in variants]}")
