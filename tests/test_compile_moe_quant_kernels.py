@@ -104,18 +104,15 @@ def test_permute_quant_sass(arch):
 NO_ZEROING = "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]"
 
 
-TOKENS_PER_CTA = 1  # token rows per gathering thread
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_permute_quant_token_major_without_zeroing_sass(arch):
     """zero_padding=False compiles the gathering CTAs alone: the same bulk copies, no zeroing
     stores, no ballot, no row_to_token load."""
     k = next(k for k in _report("cute_moe.kernels.permute_quant", arch) if k["variant"] == NO_ZEROING)
     counts, ops = k["sass_counts"], k["opcodes"]
-    assert _count(ops, "LDG.E.128") == TOKENS_PER_CTA and _count(ops, "UBLKCP") == TOKENS_PER_CTA
-    assert ops.count("LDG.E") == 1 + TOKENS_PER_CTA, "expert_offsets[-1] and token_to_row only"
-    assert ops.count("STG.E") == TOKENS_PER_CTA and "STG.E.64" not in ops and "STG.E.128" not in ops
+    assert _count(ops, "LDG.E.128") == 1 and _count(ops, "UBLKCP") == 1
+    assert ops.count("LDG.E") == 2, "expert_offsets[-1] and token_to_row only"
+    assert ops.count("STG.E") == 1 and "STG.E.64" not in ops and "STG.E.128" not in ops
     assert "VOTE" not in counts
 
 
@@ -130,20 +127,20 @@ def test_permute_quant_token_major_sass(arch, top_k, fmt):
     counts, ops = k["sass_counts"], k["opcodes"]
     entries = -(-top_k // 16)  # token_to_row entries per lane
     assert counts.get("F2FP", 0) > 0, "no hardware FP8 conversion"
-    assert "LDGSTS" not in counts and k["expected_smem"] == TOKENS_PER_CTA * 2048
-    assert _count(ops, "LDG.E.128") == TOKENS_PER_CTA, "x is not read once per token row"
+    assert "LDGSTS" not in counts and k["expected_smem"] == 2048
+    assert _count(ops, "LDG.E.128") == 1, "x is not read once per token row"
     # Every load (x and token_to_row) is issued before the first instruction of math.
     assert _last(ops, "LDG.E.128") < _first(ops, "SHFL")
-    assert ops.count("LDG.E") == 2 + TOKENS_PER_CTA * entries, "expert_offsets[-1], row_to_token, token_to_row"
+    assert ops.count("LDG.E") == 2 + entries, "expert_offsets[-1], row_to_token, token_to_row"
     # Quantizer: 4 butterfly steps per row; no index shuffles (each lane loads its own entries).
-    assert _count(ops, "SHFL.BFLY") == TOKENS_PER_CTA * 4 and "SHFL.IDX" not in ops
+    assert _count(ops, "SHFL.BFLY") == 4 and "SHFL.IDX" not in ops
     # Codes: st.shared, proxy fence, barrier, one bulk copy per (token, lane-held entry), then the
     # wait for the copies' shared-memory reads; scales: one store per lane-held entry, plus the
     # zeroing CTAs' scale and their two 16-byte zero stores per padding row and lane.
-    assert _count(ops, "STS") == TOKENS_PER_CTA and "STG.E.64" not in ops
+    assert _count(ops, "STS") == 1 and "STG.E.64" not in ops
     assert _first(ops, "FENCE.VIEW.ASYNC.S") < _first(ops, "BAR.SYNC") < _first(ops, "UBLKCP")
-    assert _count(ops, "UBLKCP") == TOKENS_PER_CTA * entries and _last(ops, "UBLKCP") < _last(ops, "DEPBAR")
-    assert ops.count("STG.E") == TOKENS_PER_CTA * entries + 1
+    assert _count(ops, "UBLKCP") == entries and _last(ops, "UBLKCP") < _last(ops, "DEPBAR")
+    assert ops.count("STG.E") == entries + 1
     assert _count(ops, "STG.E.128") == 2 and _count(ops, "VOTE") == 1
     # 32 registers or fewer: 8 CTAs of 256 threads per SM (k = 20 holds twice the entries).
     assert 0 < k["registers"] <= (32 if top_k <= 16 else 40)

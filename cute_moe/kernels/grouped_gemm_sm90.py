@@ -195,7 +195,7 @@ class GroupedGemmFp8Sm90:
                     mOff, mCnt).launch(  # fmt: skip
             grid=[grid_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
-            cluster=[2, 1, 1],
+            cluster=[CLUSTER_M if self.along_m else CLUSTER_N, 1, 1],  # the pair's CTAs: consecutive block indices
             min_blocks_per_mp=1,
             stream=stream,
         )

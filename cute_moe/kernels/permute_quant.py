@@ -221,9 +221,6 @@ class TokenPermuteQuantKernel:
     and whether the zeroing CTAs run (``zero_padding=False`` launches the gathering CTAs only)."""
 
     num_threads = 256
-    # Token rows per gathering CTA (per thread), all loaded before any math.  1, 2 and 4 measured
-    # alike at T=16384 (434.6 / 437.5 / 441.1 µs, memory-bound); 1 is the quickest at T=1.
-    tokens_per_cta = 1
     pad_groups = 8  # group columns per zeroing CTA: 1024 codes per row, two 16-byte stores per lane
     max_k = 32
 
@@ -238,8 +235,8 @@ class TokenPermuteQuantKernel:
         self.entries_per_lane = -(-k // self.lanes)  # lane l holds destinations l, l + lanes, ...
 
     def smem_bytes(self) -> int:
-        """The gathering CTA's codes: one 2 KB slab per token."""
-        return self.tokens_per_cta * self.slab_groups * GROUP
+        """The gathering CTA's codes: one 2 KB slab of its token."""
+        return self.slab_groups * GROUP
 
     @classmethod
     def can_implement(cls, dtype: torch.dtype, hidden: int, k: int) -> str | None:
@@ -251,12 +248,12 @@ class TokenPermuteQuantKernel:
 
     @cute.jit
     def ctas(self, num_tokens, hidden, m_cap):
-        """(gathering CTAs: column slabs x token blocks, zeroing CTAs: column slabs x row blocks)."""
+        """(gathering CTAs: column slabs x tokens, zeroing CTAs: column slabs x row blocks)."""
         groups = hidden // GROUP
         zero = 0
         if cutlass.const_expr(self.zero_padding_ctas):
             zero = cute.ceil_div(groups, self.pad_groups) * cute.ceil_div(m_cap, self.num_threads)
-        return cute.ceil_div(groups, self.slab_groups) * cute.ceil_div(num_tokens, self.tokens_per_cta), zero
+        return cute.ceil_div(groups, self.slab_groups) * num_tokens, zero
 
     @cute.jit
     def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, stream):
@@ -279,72 +276,57 @@ class TokenPermuteQuantKernel:
 
     @cute.jit
     def gather(self, mX, mT2R, mQ, mS, bid, end, tidx):
-        """Quantize one slab of 16 group columns of ``tokens_per_cta`` tokens into shared memory,
-        then copy each token's slab to its k rows with bulk copies (one per destination row)."""
+        """Quantize one slab of 16 group columns of one token into shared memory, then copy the slab
+        to the token's k rows with bulk copies (one per destination row).  One token per CTA: 1, 2
+        and 4 tokens measured alike at T=16384 (434.6 / 437.5 / 441.1 µs, memory-bound), and 1 is
+        the quickest at T=1."""
         groups = mQ.shape[1] // GROUP
         slabs = cute.ceil_div(groups, self.slab_groups)
         slab = bid % slabs
-        first_tok = (bid // slabs) * self.tokens_per_cta
+        tok = bid // slabs
         lane = tidx % self.lanes
         # Threads of a slab's missing groups (H not a multiple of 2048) quantize the last group again
         # and store nothing: every lane takes part in the quantizer's shuffles.
         group = slab * self.slab_groups + tidx // self.lanes
         active = group < groups
         chunk = cutlass.min(group, groups - 1) * self.lanes + lane
-        num_tokens = mX.shape[0]
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
         sQ = cutlass.utils.SmemAllocator().allocate_tensor(
-            Int32, cute.make_layout((self.smem_bytes() // 4 // self.tokens_per_cta, self.tokens_per_cta)),
-            byte_alignment=128,
+            Int32, cute.make_layout(self.smem_bytes() // 4), byte_alignment=128
         )
-        # Every load first (tokens past T re-read token T-1; lanes past k re-read entry k-1): lane l
-        # holds entries l, l + 16, ... of its token; thread j < k also issues destination j's copy.
-        rXs, entries = [], []
-        for u in cutlass.range_constexpr(self.tokens_per_cta):
-            tok = cutlass.min(first_tok + u, num_tokens - 1)
-            rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
-            cute.copy(load, cute.local_tile(mX[tok, None], (self.elems_per_lane,), (chunk,)), rX)
-            rXs.append(rX)
-            entries.append(
-                [mT2R[tok, cutlass.min(lane + m * self.lanes, self.k - 1)] for m in range(self.entries_per_lane)]
-            )
-        # Each row's data OR-ed with (every loaded word & an opaque zero): bit for bit unchanged, but
-        # no math starts before every load is issued (ptxas would otherwise sink a later token's
-        # loads, and the token_to_row loads, below the quantization to save registers).
-        tie = Int32(0)
-        for u in cutlass.range_constexpr(self.tokens_per_cta):
-            tie = tie | cute.recast_tensor(rXs[u], Int32)[0]
-            for entry in entries[u]:
-                tie = tie | entry
-        tie = tie & opaque_zero(num_tokens)
-        for u in cutlass.range_constexpr(self.tokens_per_cta):
-            words = cute.recast_tensor(rXs[u], Int32)
-            words[0] = words[0] | tie
+        # Every load first (lanes past k re-read entry k-1): lane l holds entries l, l + 16, ... of
+        # the token; thread j < k also issues destination j's copy.
+        rX = cute.make_rmem_tensor((self.elems_per_lane,), self.dtype)
+        cute.copy(load, cute.local_tile(mX[tok, None], (self.elems_per_lane,), (chunk,)), rX)
+        entries = [mT2R[tok, cutlass.min(lane + m * self.lanes, self.k - 1)] for m in range(self.entries_per_lane)]
+        # The row's data OR-ed with (every loaded word & an opaque zero): bit for bit unchanged, but
+        # no math starts before every load is issued (ptxas would otherwise sink the token_to_row
+        # loads below the quantization to save registers).
+        words = cute.recast_tensor(rX, Int32)
+        tie = words[0]
+        for entry in entries:
+            tie = tie | entry
+        words[0] = words[0] | (tie & opaque_zero(mX.shape[0]))
         s_base = (mS.iterator + group * mS.stride[1]).toint()
-        for u in cutlass.range_constexpr(self.tokens_per_cta):
-            rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
-            scale = quantize_group_fp8(rXs[u], rQ, self.lanes, self.ue8m0)
-            cute.autovec_copy(cute.recast_tensor(rQ, Int32), cute.local_tile(sQ[None, u], (self.elems_per_lane // 4,), (tidx,)))
-            # A destination row is written when it lies in [0, end) (-1: expert not local), as an
-            # unsigned compare; tokens past T write nothing.
-            row_end = cutlass.select_(first_tok + u < num_tokens, Uint32(end), Uint32(0))
-            for m in cutlass.range_constexpr(self.entries_per_lane):
-                row = entries[u][m]
-                ok = Uint32(row) < row_end and lane + m * self.lanes < self.k and active
-                store_if(ok, s_base + Int64(row) * 4, scale.bitcast(Int32))
+        rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
+        scale = quantize_group_fp8(rX, rQ, self.lanes, self.ue8m0)
+        cute.autovec_copy(cute.recast_tensor(rQ, Int32), cute.local_tile(sQ, (self.elems_per_lane // 4,), (tidx,)))
+        # A destination row is written when it lies in [0, end) (-1: expert not local), as an
+        # unsigned compare.
+        for m in cutlass.range_constexpr(self.entries_per_lane):
+            ok = Uint32(entries[m]) < Uint32(end) and lane + m * self.lanes < self.k and active
+            store_if(ok, s_base + Int64(entries[m]) * 4, scale.bitcast(Int32))
         # The codes written by st.shared must be visible to the bulk copies (the async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
         if tidx < self.k:
             nbytes = cutlass.min(self.slab_groups, groups - slab * self.slab_groups) * GROUP
             q_base = mQ.iterator.toint() + Int64(slab * self.slab_groups * GROUP)
-            for u in cutlass.range_constexpr(self.tokens_per_cta):
-                row_end = cutlass.select_(first_tok + u < num_tokens, Uint32(end), Uint32(0))
-                for m in cutlass.range_constexpr(self.entries_per_lane):
-                    row = entries[u][m]
-                    if tidx // self.lanes == m and Uint32(row) < row_end:
-                        dst = q_base + Int64(cute.arch.mul_wide(Uint32(row), Uint32(mQ.stride[0])))
-                        bulk_store(dst, sQ[None, u].iterator, nbytes)
+            for m in cutlass.range_constexpr(self.entries_per_lane):
+                row = entries[m]
+                if tidx // self.lanes == m and Uint32(row) < Uint32(end):
+                    dst = q_base + Int64(cute.arch.mul_wide(Uint32(row), Uint32(mQ.stride[0])))
+                    bulk_store(dst, sQ.iterator, nbytes)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory must outlive the reads
 
