@@ -12,6 +12,9 @@ loads are issued before the first ``ATOMS`` / ``MATCH`` of each pass.  Checked:
   for the block scan; no global atomics;
 * every load of a batch (``HIST_SUBCHUNKS`` / ``SUBCHUNKS`` of them per lane) in
   flight before the batch's first ``ATOMS`` / ``MATCH``, in both passes;
+* the two-launch variant: its histogram step has the histogram pass only (one store
+  of the chunk's counts per expert), its rank step the single launch's passes plus
+  the ``MAX_CTAS`` predicated loads of every chunk's counts, all in flight together;
 * at most 64 registers (the CTA is 1024 threads) and the shared-memory table
   within the 227 KB a Hopper or Blackwell CTA can opt into.
 
@@ -76,12 +79,19 @@ def test_sass_memory_and_calls(reports):
         assert 0 < r["smem_bytes"] <= 227 * 1024, (r["variant"], r["smem_bytes"])
 
 
+def _is_histogram_step(r):
+    return r["variant"].endswith("histogram]")
+
+
 def test_sass_warp_collectives(reports):
     from cute_moe.kernels.align import HIST_SUBCHUNKS, SUBCHUNKS
 
     for r in reports:
         counts = r["sass_counts"]
         assert counts.get("ATOMS", 0) == HIST_SUBCHUNKS, (r["variant"], counts.get("ATOMS"))
+        if _is_histogram_step(r):
+            assert counts["STG"] == 1 and not any(op in counts for op in ("MATCH", "SHFL", "ATOMG", "RED"))
+            continue
         assert counts.get("MATCH", 0) == SUBCHUNKS, (r["variant"], counts.get("MATCH"))
         assert counts.get("SHFL", 0) >= 10, r["variant"]  # two 5-step scans
         assert counts.get("POPC", 0) >= SUBCHUNKS, r["variant"]
@@ -90,12 +100,19 @@ def test_sass_warp_collectives(reports):
 
 
 def test_sass_loads_in_flight(reports):
-    from cute_moe.kernels.align import HIST_SUBCHUNKS, SUBCHUNKS
+    from cute_moe.kernels.align import HIST_SUBCHUNKS, MAX_CTAS, SUBCHUNKS
 
     for r in reports:
-        assert r["sass_counts"]["LDG"] == HIST_SUBCHUNKS + SUBCHUNKS, r["variant"]
-        # both passes: every load of a batch before the batch's first ATOMS / MATCH
-        assert r["load_batches"] == [HIST_SUBCHUNKS, SUBCHUNKS], (r["variant"], r["load_batches"])
+        # every load of a batch before the batch's first ATOMS / MATCH; the rank step's loads of the
+        # chunks' counts come before the first rank batch
+        if _is_histogram_step(r):
+            want = [HIST_SUBCHUNKS]
+        elif r["variant"].endswith("rank]"):
+            want = [HIST_SUBCHUNKS, MAX_CTAS + SUBCHUNKS]
+        else:
+            want = [HIST_SUBCHUNKS, SUBCHUNKS]
+        assert r["sass_counts"]["LDG"] == sum(want), r["variant"]
+        assert r["load_batches"] == want, (r["variant"], r["load_batches"])
 
 
 def test_limits_raise_before_any_launch():

@@ -4,7 +4,8 @@
 per token, as routing produces), and all four outputs are compared with the
 reference's with ``torch.equal``: the kernel is a stable counting sort, so
 there is exactly one right answer.  Covered: T in {0, 1, 7, 128, 4096, 65536}
-x E in {8, 64, 128, 256, 384, 512} x k in {1, 2, 6, 8}; other alignments;
+x E in {8, 64, 128, 256, 384, 512} x k in {1, 2, 6, 8}; other alignments; the
+single-launch and two-launch variants at sizes either may get (``ctas``);
 expert-parallel shards (most entries not local); every entry on one expert;
 CUDA-graph replay with new ids; a side stream.
 
@@ -48,11 +49,11 @@ def _ids(T: int, k: int, E: int, seed: int) -> torch.Tensor:
     return torch.rand(T, E, generator=g, device="cuda").argsort(dim=1)[:, :k].to(torch.int32).contiguous()
 
 
-def _check(ids, E, alignment=128, expert_offset=0, E_local=None):
+def _check(ids, E, alignment=128, expert_offset=0, E_local=None, ctas=None):
     want = align_ref(ids, E, alignment, expert_offset, E_local)
     for poison in (poison_allocator, _poison_int32):
         poison()
-        got = align_cuda(ids, E, alignment, expert_offset, E_local)
+        got = align_cuda(ids, E, alignment, expert_offset, E_local, ctas)
         names = ("expert_offsets", "row_to_token", "token_to_row", "expert_counts")
         for name, g, w in zip(names, got, want):
             assert g.dtype == torch.int32 and g.shape == w.shape and g.is_contiguous(), name
@@ -98,6 +99,18 @@ def test_align_every_entry_on_one_expert(T, k):
     skew = _ids(T, k, 64, seed=T + k)
     skew[: T // 2 + 1, 0] = 0
     _check(skew, 64)
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 3, 32])
+@pytest.mark.parametrize("T,k,E", [(1, 8, 256), (7, 6, 64), (128, 8, 256), (5000, 8, 384), (16384, 8, 256)])
+def test_align_cta_counts(T, k, E, ctas):
+    """Either variant at any size (``align_ctas`` picks the two-launch one from T * k = 2048 up):
+    chunks that are empty, partial, or cut through a run of one expert's entries."""
+    ids = _ids(T, k, E, seed=T + ctas)
+    _check(ids, E, ctas=ctas)
+    _check(ids, E, 16, E // 4, E // 8, ctas=ctas)  # an expert-parallel shard
+    ids[: T // 2 + 1] = 3  # skewed: a run of expert 3 across chunk boundaries
+    _check(ids, E, ctas=ctas)
 
 
 def test_align_largest_table():

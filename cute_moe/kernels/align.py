@@ -13,7 +13,8 @@ lies in ``[0, E_local)`` (else the entry is not local)::
                        (segment padding and every row past offsets[E_local])
 
 Mapping: one CTA of 1024 threads (32 warps), one launch, no host synchronisation
-and no grid that depends on the data.  Warp ``w`` owns the contiguous slice
+and no grid that depends on the data (from ``n = MIN_CTAS * ENTRIES_PER_CTA``: the
+two-launch variant below).  Warp ``w`` owns the contiguous slice
 ``[w * S, (w + 1) * S)`` of the flattened entries (``S = ceil(n / 1024) * 32``)
 and walks it in batches of ``U`` sub-chunks of 32 entries (lane ``l`` takes
 entry ``base + 32 u + l``: coalesced 128-byte loads, all ``U`` of a batch issued
@@ -49,15 +50,20 @@ so each warp has private counters:
 
 Cost: ``topk_ids`` is read twice (the second time mostly from L2), ``token_to_row``
 and ``expert_offsets``/``expert_counts`` written once, ``row_to_token`` written
-once per row.  All of it through one SM, so the time grows with ``n``: the
-design targets decode and prefill batches (DeepSeek-V3: ``T = 16384, k = 8``,
-131072 entries, 4096 per warp); a multi-CTA variant (per-CTA histograms in
-global memory, a scan launch, a rank launch) is the next step if ``n`` of a
-million or more must be fast.  Estimate, not a measurement (no GPU has run this
-yet): the rank pass is about 25 SASS instructions per 32 entries and the
-histogram about 6, so ``n = 131072`` is about 130 K warp instructions over the
-SM's 4 schedulers (~20 us at 1.8 GHz) plus 16 + 16 batches of load latency
-partly hidden by the 8 warps per scheduler: 25-40 us expected; a few us at T = 1.
+once per row.  In one CTA all of it goes through one SM, so the time grows with
+``n``: about 1.3 ns per entry on an H200 (85 µs for DeepSeek-V3 at T = 8192,
+65536 entries).
+
+Two-launch variant (``align_ctas``: ``C = min(MAX_CTAS, n // ENTRIES_PER_CTA)``
+CTAs when that is at least ``MIN_CTAS``): the entries are cut into ``C`` contiguous chunks in
+ascending order, one per CTA, each cut into warp slices as above.  Launch 1
+(``step="histogram"``) runs pass 1 and writes each CTA's per-expert totals to
+``hist[C, E_local]``.  Launch 2 (``step="rank"``) runs pass 1 again (its counts are
+still needed per warp), then thread ``e`` sums column ``e`` of ``hist`` (the
+counts) and its part above this CTA's row (the rows the earlier chunks take, added
+to the bases), and passes 2-4 follow; only CTA 0 writes ``expert_offsets`` and
+``expert_counts``, and pass 3 is shared out over every warp of the launch.  The
+result is the same stable order, bit for bit.
 
 Constraints (``AlignKernel.can_implement`` and ``align_cuda``):
 ``1 <= E_local <= 1024`` (thread ``e`` owns expert ``e`` in the scan; the counter
@@ -88,6 +94,9 @@ NUM_WARPS = 32
 NUM_THREADS = 32 * NUM_WARPS
 MAX_LOCAL_EXPERTS = NUM_THREADS  # thread e owns expert e in the scan
 MAX_ENTRIES = 1 << 22
+MAX_CTAS = 32  # the two-launch variant: CTAs per launch (each reads every CTA's counts)
+ENTRIES_PER_CTA = 512  # ... and at least this many entries per CTA
+MIN_CTAS = 4  # below this many, one launch of one CTA is as quick
 SUBCHUNKS = 8  # rank pass: 32-entry sub-chunks per batch (loads per lane in flight)
 HIST_SUBCHUNKS = 16  # histogram pass: its loop body is short, so more loads in flight
 
@@ -123,11 +132,17 @@ def lanemask_lt(*, loc=None, ip=None) -> Int32:
 class AlignKernel:
     """Static configuration: top-k, local expert count and offset, segment alignment."""
 
-    def __init__(self, k: int, num_local_experts: int, alignment: int, expert_offset: int):
+    def __init__(self, k: int, num_local_experts: int, alignment: int, expert_offset: int, step: str = "all"):
         self.k = k
         self.num_local = num_local_experts
         self.alignment = alignment
         self.expert_offset = expert_offset
+        # "all": one CTA does every pass.  The two-launch variant splits the entries into one
+        # contiguous chunk per CTA: "histogram" writes each CTA's per-expert counts to mHist [CTAs, E],
+        # "rank" reads them all (counts, offsets, and the rows the earlier CTAs take) and does
+        # passes 2-4 for its chunk.
+        assert step in ("all", "histogram", "rank"), step
+        self.step = step
 
     def smem_bytes(self) -> int:
         """Counter table, offsets, counts and warp totals (int32)."""
@@ -143,15 +158,17 @@ class AlignKernel:
         if alignment < 1:
             return f"alignment must be >= 1, got {alignment}"
         if num_tokens * k > MAX_ENTRIES:
-            return f"T * k must be <= {MAX_ENTRIES} (one CTA walks every entry), got {num_tokens * k}"
+            return f"T * k must be <= {MAX_ENTRIES}, got {num_tokens * k}"
         if m_cap(num_tokens, k, num_local_experts, alignment) >= 1 << 31:
             return "M_cap must fit in int32"
         return None
 
     @cute.jit
     def __call__(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor,
-                 mCnt: cute.Tensor, stream):  # fmt: skip
-        self.kernel(mIds, mOff, mR2T, mT2R, mCnt).launch(grid=[1, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream)
+                 mCnt: cute.Tensor, mHist: cute.Tensor, ctas: Int32, stream):  # fmt: skip
+        self.kernel(mIds, mOff, mR2T, mT2R, mCnt, mHist).launch(
+            grid=[ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream
+        )
 
     @cute.jit
     def batch_keys(self, mIds: cute.Tensor, base, lane, stop, zero: Int32, count: cutlass.Constexpr):
@@ -178,16 +195,18 @@ class AlignKernel:
         return keys
 
     @cute.kernel
-    def kernel(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor, mCnt: cute.Tensor):
+    def kernel(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor, mCnt: cute.Tensor,
+               mHist: cute.Tensor):  # fmt: skip
         E = self.num_local
         tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        ctas, _, _ = cute.arch.grid_dim()
         warp = cute.arch.warp_idx()
         warp = cute.arch.make_warp_uniform(warp)
         lane = cute.arch.lane_idx()
         below = lanemask_lt()
         n = mIds.shape[0]
         zero = opaque_zero(n)
-        m_rows = mR2T.shape[0]
 
         smem = cutlass.utils.SmemAllocator()
         sCnt = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, E + 1), stride=(E + 1, 1)), byte_alignment=16)
@@ -199,9 +218,10 @@ class AlignKernel:
             sCnt[i // (E + 1), i % (E + 1)] = Int32(0)
         cute.arch.sync_threads()
 
-        # This warp's slice of the flattened entries (a multiple of 32 long: aligned loads).
-        per_warp = cute.ceil_div(n, NUM_THREADS) * 32
-        start = warp * per_warp
+        # This warp's slice of the CTA's chunk of the flattened entries (a multiple of 32 long:
+        # aligned loads; the chunks, and the slices in them, in ascending order).
+        per_warp = cute.ceil_div(n, ctas * NUM_THREADS) * 32
+        start = (bid * NUM_WARPS + warp) * per_warp
         stop = cutlass.min(start + per_warp, n)
 
         # 1. Per-warp histogram.
@@ -210,12 +230,38 @@ class AlignKernel:
             for u in cutlass.range_constexpr(HIST_SUBCHUNKS):
                 cute.arch.atomic_add(sCnt.iterator + (warp * (E + 1) + keys[u]), Int32(1), scope="cta")
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.step == "histogram"):
+            if tidx < E:
+                chunk_count = Int32(0)
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    chunk_count = chunk_count + sCnt[w, tidx]
+                mHist[bid, tidx] = chunk_count
+        else:
+            self.offsets_and_ranks(mIds, mOff, mR2T, mT2R, mCnt, mHist, sCnt, sOff, sNum, sWarp, bid, ctas, tidx,
+                                   warp, lane, below, start, stop, zero)  # fmt: skip
 
-        # 2. Counts, padded offsets (block scan), per-warp bases.
+    @cute.jit
+    def offsets_and_ranks(self, mIds, mOff, mR2T, mT2R, mCnt, mHist, sCnt, sOff, sNum, sWarp, bid, ctas, tidx, warp,
+                          lane, below, start, stop, zero):  # fmt: skip
+        """Passes 2-4 (the per-warp counts of pass 1 are in ``sCnt``)."""
+        E = self.num_local
+        m_rows = mR2T.shape[0]
+        # 2. Counts, padded offsets (block scan), per-warp bases.  In the rank step, thread e also
+        # sums the counts of expert e that the earlier chunks hold (``before``): its rows come first.
         count = Int32(0)
+        before = Int32(0)
         if tidx < E:
-            for w in cutlass.range_constexpr(NUM_WARPS):
-                count = count + sCnt[w, tidx]
+            if cutlass.const_expr(self.step == "rank"):
+                for c in cutlass.range_constexpr(MAX_CTAS):  # independent loads, all in flight together
+                    h = Int32(0)
+                    if c < ctas:
+                        h = mHist[c, tidx]
+                    count = count + h
+                    if c < bid:
+                        before = before + h
+            else:
+                for w in cutlass.range_constexpr(NUM_WARPS):
+                    count = count + sCnt[w, tidx]
         padded = (count + (self.alignment - 1)) // self.alignment * self.alignment
         incl = padded
         for d in cutlass.range_constexpr(5):
@@ -237,26 +283,29 @@ class AlignKernel:
         if warp > 0:
             excl = excl + sWarp[warp - 1]
         if tidx < E:
-            mOff[tidx] = excl
-            mCnt[tidx] = count
+            if bid == 0:
+                mOff[tidx] = excl
+                mCnt[tidx] = count
             sOff[tidx] = excl
             sNum[tidx] = count
-            run = excl
+            run = excl + before
             for w in cutlass.range_constexpr(NUM_WARPS):
                 c = sCnt[w, tidx]
                 sCnt[w, tidx] = run
                 run = run + c
         if tidx == 0:
             end = sWarp[NUM_WARPS - 1]
-            mOff[E] = end
+            if bid == 0:
+                mOff[E] = end
             sOff[E] = end
         cute.arch.sync_threads()
 
-        # 3. -1 in every row no entry takes: segment padding, then rows past the last segment.
-        for e in range(warp, E, NUM_WARPS):
+        # 3. -1 in every row no entry takes: segment padding, then rows past the last segment
+        # (shared out over every warp of the launch).
+        for e in range(bid * NUM_WARPS + warp, E, ctas * NUM_WARPS):
             for r in range(sOff[e] + sNum[e] + lane, sOff[e + 1], 32):
                 mR2T[r] = Int32(-1)
-        for r in range(sOff[E] + tidx, m_rows, NUM_THREADS):
+        for r in range(sOff[E] + bid * NUM_THREADS + tidx, m_rows, ctas * NUM_THREADS):
             mR2T[r] = Int32(-1)
 
         # 4. Stable ranks, in ascending entry order within the warp's slice.
@@ -283,23 +332,35 @@ class AlignKernel:
 
 @cached_compile
 def compile_align(k: int, num_local_experts: int, alignment: int, expert_offset: int, arch: str,
-                  keep_cubin: bool = False):  # fmt: skip
-    """Compile for every T and M_cap; the key is the scalars above."""
+                  keep_cubin: bool = False, step: str = "all"):  # fmt: skip
+    """Compile for every T, M_cap and CTA count; the key is the scalars above."""
     mIds = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
     mOff = fake_tensor(Int32, (num_local_experts + 1,), (1,), align=4)
     mR2T = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
     mT2R = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
     mCnt = fake_tensor(Int32, (num_local_experts,), (1,), align=4)
-    kernel = AlignKernel(k, num_local_experts, alignment, expert_offset)
-    return compile_kernel(kernel, mIds, mOff, mR2T, mT2R, mCnt, arch=arch, keep_cubin=keep_cubin)
+    mHist = fake_tensor(Int32, (cute.sym_int(), num_local_experts), (num_local_experts, 1), align=4)
+    kernel = AlignKernel(k, num_local_experts, alignment, expert_offset, step)
+    return compile_kernel(kernel, mIds, mOff, mR2T, mT2R, mCnt, mHist, Int32(1), arch=arch, keep_cubin=keep_cubin)
+
+
+def align_ctas(num_entries: int) -> int:
+    """CTAs for ``num_entries = T * k``: the two-launch variant with ``ENTRIES_PER_CTA`` entries per
+    CTA (at most ``MAX_CTAS`` CTAs) when that makes ``MIN_CTAS`` or more, else one CTA.  H200,
+    E=256, k=8, µs per call (bench/NOTES.md, session 10): one CTA 9.1 / 12.8 / 16.7 / 46.2 / 84.6
+    / 161.4 at T = 128 / 512 / 1024 / 4096 / 8192 / 16384; two launches 9.5-9.7 up to T = 2048,
+    13.5-13.8 at T = 8192-16384 with 16-32 CTAs."""
+    ctas = min(MAX_CTAS, num_entries // ENTRIES_PER_CTA)
+    return ctas if ctas >= MIN_CTAS else 1
 
 
 def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, expert_offset: int = 0,
-               num_local_experts: int | None = None):  # fmt: skip
+               num_local_experts: int | None = None, ctas: int | None = None):  # fmt: skip
     """Launch on topk_ids' device and current stream; inputs already validated by the op layer.
 
     Returns (expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], expert_counts
     [E_local]), all int32.  ``num_experts`` only bounds the ids (checked by the op layer).
+    ``ctas`` (tests, benchmarks): the CTA count, 1 to ``MAX_CTAS``, instead of ``align_ctas``.
     """
     T, k = topk_ids.shape
     E_local = num_experts if num_local_experts is None else num_local_experts
@@ -322,8 +383,17 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
     row_to_token = torch.empty(rows, dtype=torch.int32, device=dev)  # every row written by the kernel
     token_to_row = torch.empty((T, k), dtype=torch.int32, device=dev)
     counts = torch.empty(E_local, dtype=torch.int32, device=dev)
-    fn = compile_align(k, E_local, alignment, expert_offset, arch_of_device(dev))
-    fn(ids, offsets, row_to_token, token_to_row.view(-1), counts)
+    ctas = align_ctas(ids.numel()) if ctas is None else ctas
+    if not 1 <= ctas <= MAX_CTAS:
+        raise ValueError(f"cute_moe.align: ctas must be in [1, {MAX_CTAS}], got {ctas}")
+    arch = arch_of_device(dev)
+    outputs = (offsets, row_to_token, token_to_row.view(-1), counts)
+    if ctas == 1:
+        compile_align(k, E_local, alignment, expert_offset, arch)(ids, *outputs, counts.view(1, -1), 1)
+    else:
+        hist = torch.empty((ctas, E_local), dtype=torch.int32, device=dev)  # every entry written by step 1
+        compile_align(k, E_local, alignment, expert_offset, arch, False, "histogram")(ids, *outputs, hist, ctas)
+        compile_align(k, E_local, alignment, expert_offset, arch, False, "rank")(ids, *outputs, hist, ctas)
     return offsets, row_to_token, token_to_row, counts
 
 
@@ -331,9 +401,11 @@ def inspect_variants(arch: str):
     """(name, compiled function, dynamic smem bytes) for ``python -m cute_moe.inspect align``."""
     return [
         (
-            f"align[k={k}, E_local={e}, alignment={a}, expert_offset={off}]",
-            compile_align(k, e, a, off, arch, True),
-            AlignKernel(k, e, a, off).smem_bytes(),
+            f"align[k={k}, E_local={e}, alignment={a}, expert_offset={off}"
+            f"{'' if step == 'all' else ', two launches: ' + step}]",
+            compile_align(k, e, a, off, arch, True, step),
+            AlignKernel(k, e, a, off, step).smem_bytes(),
         )
         for k, e, a, off in [(8, 256, 128, 0), (1, 8, 1, 0), (6, 64, 16, 32), (2, 1024, 128, 0)]
+        for step in ("all", "histogram", "rank")
     ]
