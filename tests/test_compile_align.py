@@ -116,7 +116,7 @@ def test_sass_loads_in_flight(reports):
 
 
 def test_limits_raise_before_any_launch():
-    from cute_moe.kernels.align import MAX_ENTRIES, MAX_LOCAL_EXPERTS, align_cuda
+    from cute_moe.kernels.align import MAX_CTAS, MAX_ENTRIES, MAX_LOCAL_EXPERTS, align_cuda
 
     ids = torch.zeros(3, 2, dtype=torch.int32)
     with pytest.raises(NotImplementedError, match="num_local_experts"):
@@ -125,6 +125,18 @@ def test_limits_raise_before_any_launch():
         align_cuda(torch.zeros(MAX_ENTRIES // 8 + 1, 8, dtype=torch.int32), 256)
     with pytest.raises(NotImplementedError, match="int32"):
         align_cuda(ids.long(), 8)
+    for ctas in (0, MAX_CTAS + 1):
+        with pytest.raises(ValueError, match="ctas"):
+            align_cuda(ids, 8, ctas=ctas)
+
+
+def test_cta_count_rule():
+    """One CTA below MIN_CTAS chunks of ENTRIES_PER_CTA entries, then one CTA per chunk up to MAX_CTAS."""
+    from cute_moe.kernels.align import ENTRIES_PER_CTA, MAX_CTAS, MIN_CTAS, align_ctas
+
+    assert [align_ctas(n) for n in (1, 8, MIN_CTAS * ENTRIES_PER_CTA - 1)] == [1, 1, 1]
+    assert align_ctas(MIN_CTAS * ENTRIES_PER_CTA) == MIN_CTAS
+    assert align_ctas(16384 * 8) == MAX_CTAS == align_ctas(1 << 22)
 
 
 def test_t0_needs_no_launch():
