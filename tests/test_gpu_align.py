@@ -104,11 +104,12 @@ def test_align_every_entry_on_one_expert(T, k):
 @pytest.mark.parametrize("ctas", [1, 2, 3, 32])
 @pytest.mark.parametrize("T,k,E", [(1, 8, 256), (7, 6, 64), (128, 8, 256), (5000, 8, 384), (16384, 8, 256)])
 def test_align_cta_counts(T, k, E, ctas):
-    """Either variant at any size (``align_ctas`` picks the two-launch one from T * k = 2048 up):
+    """Either variant at any size (``align_ctas`` picks the two-launch one from T * k = 4096 up):
     chunks that are empty, partial, or cut through a run of one expert's entries."""
     ids = _ids(T, k, E, seed=T + ctas)
     _check(ids, E, ctas=ctas)
     _check(ids, E, 16, E // 4, E // 8, ctas=ctas)  # an expert-parallel shard
+    _check(ids, E, 1, 3, 1, ctas=ctas)  # one local expert, no padding
     ids[: T // 2 + 1] = 3  # skewed: a run of expert 3 across chunk boundaries
     _check(ids, E, ctas=ctas)
 
@@ -149,3 +150,21 @@ def test_align_side_stream_and_cuda_graph():
         graph.replay()
         for o, w in zip(outs, align_ref(ids, E)):
             assert torch.equal(o, w), seed
+
+
+def test_align_graph_captured_at_a_size_the_warmup_did_not_reach():
+    """An eager call at T=1 (one launch) compiles the two-launch steps too, so a graph captured at
+    T=4096 (two launches) needs no compile.  A configuration no other test uses keeps the compile
+    cache cold until the warm-up."""
+    E, k, alignment, offset, E_local = 96, 8, 32, 5, 40
+    align_cuda(_ids(1, k, E, seed=10), E, alignment, offset, E_local)
+    ids = _ids(4096, k, E, seed=11)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = align_cuda(ids, E, alignment, offset, E_local)
+    ids.copy_(_ids(4096, k, E, seed=12))
+    for o in outs:
+        o.fill_(POISON)
+    graph.replay()
+    for o, w in zip(outs, align_ref(ids, E, alignment, offset, E_local)):
+        assert torch.equal(o, w)

@@ -19,7 +19,7 @@ two-launch variant below).  Warp ``w`` owns the contiguous slice
 and walks it in batches of ``U`` sub-chunks of 32 entries (lane ``l`` takes
 entry ``base + 32 u + l``: coalesced 128-byte loads, all ``U`` of a batch issued
 before any of them is used; see ``batch_keys``), ``U = 16`` in the histogram
-pass and 8 in the rank pass (53 registers of the 64 a 1024-thread CTA allows).
+pass and 8 in the rank pass (50-52 registers of the 64 a 1024-thread CTA allows).
 Shared memory holds a counter table ``cnt[32 warps][E_local + 1]`` (column
 ``E_local`` is a dump slot for non-local entries and for lanes past the slice),
 so each warp has private counters:
@@ -48,15 +48,18 @@ so each warp has private counters:
    Each local entry writes ``token_to_row[i]`` and ``row_to_token[row]``; a
    non-local entry writes ``token_to_row[i] = -1``.
 
-Cost: ``topk_ids`` is read twice (the second time mostly from L2), ``token_to_row``
+Cost: ``topk_ids`` is read twice (the second time mostly from L2; three times in the
+two-launch variant), ``token_to_row``
 and ``expert_offsets``/``expert_counts`` written once, ``row_to_token`` written
 once per row.  In one CTA all of it goes through one SM, so the time grows with
 ``n``: about 1.3 ns per entry on an H200 (85 µs for DeepSeek-V3 at T = 8192,
 65536 entries).
 
 Two-launch variant (``align_ctas``: ``C = min(MAX_CTAS, n // ENTRIES_PER_CTA)``
-CTAs when that is at least ``MIN_CTAS``): the entries are cut into ``C`` contiguous chunks in
-ascending order, one per CTA, each cut into warp slices as above.  Launch 1
+CTAs when that is at least ``MIN_CTAS``): CTA ``b`` takes the chunk
+``[1024 b S, 1024 (b + 1) S)`` with ``S = ceil(n / (1024 C))``, in 32 warp slices of
+``32 S`` entries (so ``ENTRIES_PER_CTA = 1024`` is the smallest chunk, and trailing chunks
+may be empty: then ``n < 1024 C S``).  Launch 1
 (``step="histogram"``) runs pass 1 and writes each CTA's per-expert totals to
 ``hist[C, E_local]``.  Launch 2 (``step="rank"``) runs pass 1 again (its counts are
 still needed per warp), then thread ``e`` sums column ``e`` of ``hist`` (the
@@ -68,7 +71,8 @@ result is the same stable order, bit for bit.
 Constraints (``AlignKernel.can_implement`` and ``align_cuda``):
 ``1 <= E_local <= 1024`` (thread ``e`` owns expert ``e`` in the scan; the counter
 table is ``32 * (E_local + 1) * 4`` bytes of shared memory, 128 KB at 1024);
-``n = T * k <= MAX_ENTRIES`` (2**22) and ``M_cap < 2**31`` (int32 rows).
+``n = T * k <= MAX_ENTRIES`` (2**22) and ``M_cap < 2**31 - 32768`` (int32 rows: pass 3
+strides them by up to ``MAX_CTAS * 1024``).
 ``k``, ``E_local``, ``alignment`` and ``expert_offset`` are compiled in (one
 variant per EP rank); ``T`` and ``M_cap`` are dynamic.  ``T = 0`` launches
 nothing.  ``topk_ids`` must be int32 (a non-contiguous one is copied first);
@@ -95,8 +99,9 @@ NUM_THREADS = 32 * NUM_WARPS
 MAX_LOCAL_EXPERTS = NUM_THREADS  # thread e owns expert e in the scan
 MAX_ENTRIES = 1 << 22
 MAX_CTAS = 32  # the two-launch variant: CTAs per launch (each reads every CTA's counts)
-ENTRIES_PER_CTA = 512  # ... and at least this many entries per CTA
+ENTRIES_PER_CTA = 1024  # ... and this many entries per CTA (a warp slice of 32, the smallest)
 MIN_CTAS = 4  # below this many, one launch of one CTA is as quick
+STEPS = ("all", "histogram", "rank")  # AlignKernel's step: one launch, or the two-launch variant's two
 SUBCHUNKS = 8  # rank pass: 32-entry sub-chunks per batch (loads per lane in flight)
 HIST_SUBCHUNKS = 16  # histogram pass: its loop body is short, so more loads in flight
 
@@ -141,7 +146,7 @@ class AlignKernel:
         # contiguous chunk per CTA: "histogram" writes each CTA's per-expert counts to mHist [CTAs, E],
         # "rank" reads them all (counts, offsets, and the rows the earlier CTAs take) and does
         # passes 2-4 for its chunk.
-        assert step in ("all", "histogram", "rank"), step
+        assert step in STEPS, step
         self.step = step
 
     def smem_bytes(self) -> int:
@@ -159,13 +164,15 @@ class AlignKernel:
             return f"alignment must be >= 1, got {alignment}"
         if num_tokens * k > MAX_ENTRIES:
             return f"T * k must be <= {MAX_ENTRIES}, got {num_tokens * k}"
-        if m_cap(num_tokens, k, num_local_experts, alignment) >= 1 << 31:
-            return "M_cap must fit in int32"
+        if m_cap(num_tokens, k, num_local_experts, alignment) >= (1 << 31) - MAX_CTAS * NUM_THREADS:
+            return f"M_cap must be below 2**31 - {MAX_CTAS * NUM_THREADS} (int32 row indices)"
         return None
 
     @cute.jit
     def __call__(self, mIds: cute.Tensor, mOff: cute.Tensor, mR2T: cute.Tensor, mT2R: cute.Tensor,
                  mCnt: cute.Tensor, mHist: cute.Tensor, ctas: Int32, stream):  # fmt: skip
+        if cutlass.const_expr(self.step == "all"):
+            ctas = Int32(1)  # its passes assume they see every entry
         self.kernel(mIds, mOff, mR2T, mT2R, mCnt, mHist).launch(
             grid=[ctas, 1, 1], block=[NUM_THREADS, 1, 1], stream=stream
         )
@@ -344,12 +351,20 @@ def compile_align(k: int, num_local_experts: int, alignment: int, expert_offset:
     return compile_kernel(kernel, mIds, mOff, mR2T, mT2R, mCnt, mHist, Int32(1), arch=arch, keep_cubin=keep_cubin)
 
 
+@cached_compile
+def compile_align_steps(k: int, num_local_experts: int, alignment: int, expert_offset: int, arch: str):
+    """(single launch, two-launch histogram step, two-launch rank step), compiled together: which
+    runs depends on T (``align_ctas``), and a CUDA graph captured at a T the eager warm-up did not
+    reach must not need a compile."""
+    return tuple(compile_align(k, num_local_experts, alignment, expert_offset, arch, False, step) for step in STEPS)
+
+
 def align_ctas(num_entries: int) -> int:
     """CTAs for ``num_entries = T * k``: the two-launch variant with ``ENTRIES_PER_CTA`` entries per
     CTA (at most ``MAX_CTAS`` CTAs) when that makes ``MIN_CTAS`` or more, else one CTA.  H200,
     E=256, k=8, µs per call (bench/NOTES.md, session 10): one CTA 9.1 / 12.8 / 16.7 / 46.2 / 84.6
-    / 161.4 at T = 128 / 512 / 1024 / 4096 / 8192 / 16384; two launches 9.5-9.7 up to T = 2048,
-    13.5-13.8 at T = 8192-16384 with 16-32 CTAs."""
+    / 161.4 at T = 128 / 512 / 1024 / 4096 / 8192 / 16384; two launches 9.5-9.9 at T = 512-2048
+    with 4-16 CTAs, 13.3-13.8 at T = 4096-16384 with 32."""
     ctas = min(MAX_CTAS, num_entries // ENTRIES_PER_CTA)
     return ctas if ctas >= MIN_CTAS else 1
 
@@ -363,6 +378,8 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
     ``ctas`` (tests, benchmarks): the CTA count, 1 to ``MAX_CTAS``, instead of ``align_ctas``.
     """
     T, k = topk_ids.shape
+    if ctas is not None and not 1 <= ctas <= MAX_CTAS:
+        raise ValueError(f"cute_moe.align: ctas must be in [1, {MAX_CTAS}], got {ctas}")
     E_local = num_experts if num_local_experts is None else num_local_experts
     dev = topk_ids.device
     rows = m_cap(T, k, E_local, alignment)
@@ -384,16 +401,14 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
     token_to_row = torch.empty((T, k), dtype=torch.int32, device=dev)
     counts = torch.empty(E_local, dtype=torch.int32, device=dev)
     ctas = align_ctas(ids.numel()) if ctas is None else ctas
-    if not 1 <= ctas <= MAX_CTAS:
-        raise ValueError(f"cute_moe.align: ctas must be in [1, {MAX_CTAS}], got {ctas}")
-    arch = arch_of_device(dev)
+    single, histogram, rank = compile_align_steps(k, E_local, alignment, expert_offset, arch_of_device(dev))
     outputs = (offsets, row_to_token, token_to_row.view(-1), counts)
     if ctas == 1:
-        compile_align(k, E_local, alignment, expert_offset, arch)(ids, *outputs, counts.view(1, -1), 1)
+        single(ids, *outputs, counts.view(1, -1), 1)  # (no hist: the counts stand in, never read)
     else:
         hist = torch.empty((ctas, E_local), dtype=torch.int32, device=dev)  # every entry written by step 1
-        compile_align(k, E_local, alignment, expert_offset, arch, False, "histogram")(ids, *outputs, hist, ctas)
-        compile_align(k, E_local, alignment, expert_offset, arch, False, "rank")(ids, *outputs, hist, ctas)
+        histogram(ids, *outputs, hist, ctas)
+        rank(ids, *outputs, hist, ctas)
     return offsets, row_to_token, token_to_row, counts
 
 
@@ -407,5 +422,5 @@ def inspect_variants(arch: str):
             AlignKernel(k, e, a, off, step).smem_bytes(),
         )
         for k, e, a, off in [(8, 256, 128, 0), (1, 8, 1, 0), (6, 64, 16, 32), (2, 1024, 128, 0)]
-        for step in ("all", "histogram", "rank")
+        for step in STEPS
     ]

@@ -277,9 +277,8 @@ class TokenPermuteQuantKernel:
     @cute.jit
     def gather(self, mX, mT2R, mQ, mS, bid, end, tidx):
         """Quantize one slab of 16 group columns of one token into shared memory, then copy the slab
-        to the token's k rows with bulk copies (one per destination row).  One token per CTA: 1, 2
-        and 4 tokens measured alike at T=16384 (434.6 / 437.5 / 441.1 µs, memory-bound), and 1 is
-        the quickest at T=1."""
+        to the token's k rows with bulk copies (one per destination row).  One token per CTA: more
+        measured alike at T=16384 (memory-bound) and slower at T=1 (bench/NOTES.md)."""
         groups = mQ.shape[1] // GROUP
         slabs = cute.ceil_div(groups, self.slab_groups)
         slab = bid % slabs
