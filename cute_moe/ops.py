@@ -25,6 +25,8 @@ initialises CUDA: kernels are imported lazily inside the CUDA implementations.
 
 from __future__ import annotations
 
+import functools
+import importlib
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -130,6 +132,13 @@ def call(name: str, *args: Any) -> Any:
 _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined
 
 
+@functools.cache
+def _launcher(module: str, name: str) -> Callable[..., Any]:
+    """``cute_moe.kernels.<module>.<name>``, imported on the first CUDA call (the kernels import
+    cutlass; the ops must not): later calls cost a cache hit, not an import statement's ~1 µs."""
+    return getattr(importlib.import_module(f"cute_moe.kernels.{module}"), name)
+
+
 # ----------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------
@@ -173,7 +182,7 @@ def _quant_fp8_cuda(
     x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
 ) -> tuple[Tensor, Tensor]:
     V.validate_quant_fp8(x, group_size, scale_fmt, column_major_scales)
-    from cute_moe.kernels.quant_fp8 import quant_fp8_cuda
+    quant_fp8_cuda = _launcher("quant_fp8", "quant_fp8_cuda")
 
     return quant_fp8_cuda(x, group_size, scale_fmt, column_major_scales)
 
@@ -217,7 +226,7 @@ def _route_cuda(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
-    from cute_moe.kernels.route import route_cuda
+    route_cuda = _launcher("route", "route_cuda")
 
     return route_cuda(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
 
@@ -258,8 +267,8 @@ def _align_cuda(
     num_local_experts: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     V.validate_align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
-    from cute_moe.kernels.align import align_cuda
-    from cute_moe.kernels.host_checks import debug_check_index_range
+    align_cuda = _launcher("align", "align_cuda")
+    debug_check_index_range = _launcher("host_checks", "debug_check_index_range")
 
     debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
     return align_cuda(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
@@ -314,7 +323,7 @@ def _permute_quant_cuda(
     zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
-    from cute_moe.kernels.permute_quant import permute_quant_cuda
+    permute_quant_cuda = _launcher("permute_quant", "permute_quant_cuda")
 
     # With token_to_row: the token-major kernel (x read once); without: the row-major one.
     return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
@@ -342,7 +351,7 @@ def _permute_cuda(
     a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
-    from cute_moe.kernels.permute_quant import permute_cuda
+    permute_cuda = _launcher("permute_quant", "permute_cuda")
 
     return permute_cuda(a_in, a_in_scale, row_to_token, expert_offsets)
 
@@ -380,7 +389,7 @@ def _grouped_gemm_fp8_cuda(
     expert_counts: Optional[Tensor] = None,
 ) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
-    from cute_moe.kernels.grouped_gemm import grouped_gemm_fp8_cuda
+    grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
 
     return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
@@ -417,7 +426,7 @@ def _silu_mul_quant_cuda(
     expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
-    from cute_moe.kernels.silu_mul_quant import silu_mul_quant_cuda
+    silu_mul_quant_cuda = _launcher("silu_mul_quant", "silu_mul_quant_cuda")
 
     # With expert_counts: padding rows neither read nor written (their codes and scales unspecified).
     return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
@@ -443,7 +452,7 @@ def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
 @finalize.register_kernel("cuda")
 def _finalize_cuda(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     V.validate_finalize(y, topk_weights, token_to_row)
-    from cute_moe.kernels.finalize import finalize_cuda
+    finalize_cuda = _launcher("finalize", "finalize_cuda")
 
     return finalize_cuda(y, topk_weights, token_to_row)
 
@@ -462,7 +471,7 @@ def moe_reduce(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tenso
 @moe_reduce.register_kernel("cuda")
 def _moe_reduce_cuda(hidden: Tensor, weights: Tensor, fp32_acc: bool = False) -> Tensor:
     V.validate_moe_reduce(hidden, weights, fp32_acc)
-    from cute_moe.kernels.moe_reduce import moe_reduce_cuda
+    moe_reduce_cuda = _launcher("moe_reduce", "moe_reduce_cuda")
 
     return moe_reduce_cuda(hidden, weights, fp32_acc)
 
@@ -615,7 +624,7 @@ def _fill_kv_cache_fp8_cuda(
         group_size, scale_fmt, layout,
     )  # fmt: skip
     V.validate_fill_kv_cache_fp8(*args)
-    from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
+    fill_kv_cache_fp8_cuda = _launcher("fill_kv_cache_fp8", "fill_kv_cache_fp8_cuda")
 
     fill_kv_cache_fp8_cuda(*args)
 

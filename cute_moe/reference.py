@@ -72,7 +72,9 @@ def m_cap(T, k, E_local, alignment=128):
     Works for Python ints and torch SymInts (0 when T == 0).
     """
     n = T * k
-    rows = n + torch.sym_min(n, E_local) * (alignment - 1)
+    # min() for ints: torch.sym_min's checks cost microseconds on every eager align call.
+    low = min(n, E_local) if type(n) is int and type(E_local) is int else torch.sym_min(n, E_local)
+    rows = n + low * (alignment - 1)
     return (rows + alignment - 1) // alignment * alignment
 
 

@@ -387,7 +387,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
         return (
             torch.zeros(E_local + 1, dtype=torch.int32, device=dev),
             torch.full((rows,), -1, dtype=torch.int32, device=dev),
-            torch.empty((T, k), dtype=torch.int32, device=dev),
+            torch.empty(T, k, dtype=torch.int32, device=dev),
             torch.zeros(E_local, dtype=torch.int32, device=dev),
         )
     reason = AlignKernel.can_implement(k, E_local, alignment, T)
@@ -398,7 +398,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
     ids = topk_ids.contiguous().view(-1)
     offsets = torch.empty(E_local + 1, dtype=torch.int32, device=dev)
     row_to_token = torch.empty(rows, dtype=torch.int32, device=dev)  # every row written by the kernel
-    token_to_row = torch.empty((T, k), dtype=torch.int32, device=dev)
+    token_to_row = torch.empty(T, k, dtype=torch.int32, device=dev)
     counts = torch.empty(E_local, dtype=torch.int32, device=dev)
     ctas = align_ctas(ids.numel()) if ctas is None else ctas
     single, histogram, rank = compile_align_steps(k, E_local, alignment, expert_offset, arch_of_device(dev))
@@ -406,7 +406,7 @@ def align_cuda(topk_ids: torch.Tensor, num_experts: int, alignment: int = 128, e
     if ctas == 1:
         single(ids, *outputs, counts.view(1, -1), 1)  # (no hist: the counts stand in, never read)
     else:
-        hist = torch.empty((ctas, E_local), dtype=torch.int32, device=dev)  # every entry written by step 1
+        hist = torch.empty(ctas, E_local, dtype=torch.int32, device=dev)  # every entry written by step 1
         histogram(ids, *outputs, hist, ctas)
         rank(ids, *outputs, hist, ctas)
     return offsets, row_to_token, token_to_row, counts

@@ -133,7 +133,7 @@ def finalize_cuda(y: torch.Tensor, topk_weights: torch.Tensor, token_to_row: tor
     """Launch on y's device and current stream; inputs already validated by the op layer."""
     T, k = topk_weights.shape
     H = y.shape[1]
-    out = torch.empty((T, H), dtype=torch.bfloat16, device=y.device)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=y.device)
     if T == 0 or H == 0:
         return out
     if k == 0:

@@ -7,25 +7,33 @@ acceptance test on the first B200.  Other architectures raise ``NotImplementedEr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..compiler import arch_of_device
+from ..compiler import arch_of_device_index
+
+
+@functools.cache
+def _launcher(arch: str):
+    """The launch function of ``arch``'s kernel, imported on first use."""
+    if arch == "sm_90a":
+        from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda
+
+        return grouped_gemm_fp8_cuda
+    if arch == "sm_100a":
+        from .grouped_gemm_sm100 import grouped_gemm_fp8_sm100_cuda
+
+        # It computes every row, so it takes no expert_counts.
+        return lambda a, a_scale, b, b_scale, offsets, _: grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale, offsets)
+    raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch}")
 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None) -> torch.Tensor:
     """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding; the sm_100a kernel
     computes every row.  Either way padding rows of the output are unspecified: zero when A's
     padding rows are (``permute_quant``'s default), anything when they were left unwritten."""
-    arch = arch_of_device(a.device)
-    if arch == "sm_90a":
-        from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda as launch
-
-        return launch(a, a_scale, b, b_scale, expert_offsets, expert_counts)
-    if arch == "sm_100a":
-        from .grouped_gemm_sm100 import grouped_gemm_fp8_sm100_cuda as launch
-
-        return launch(a, a_scale, b, b_scale, expert_offsets)
-    raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch}")
+    return _launcher(arch_of_device_index(a.get_device()))(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 
 def inspect_variants(arch: str):

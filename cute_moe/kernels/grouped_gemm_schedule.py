@@ -313,17 +313,27 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
 
 def fake_operands():
     """(A, B, a_scale, b_scale, expert_offsets, C) as both kernels are compiled for them: every
-    extent symbolic (one binary per kernel for all problems), A and B K-major uint8 codes with
-    16-byte aligned rows, a_scale MN-major with a 16-byte base and column stride (one cp.async
-    per 4 rows), b_scale with a unit last stride, C bf16 with 16-byte aligned rows."""
+    extent symbolic (one binary per kernel for all problems), A [M_cap, K] and B [E, N, K] K-major
+    uint8 codes with 16-byte aligned rows, a_scale MN-major with a 16-byte base and column stride
+    (one cp.async per 4 rows), b_scale with a unit last stride, C bf16 with 16-byte aligned rows."""
     m_cap, n, k, e, k_blocks, n_blocks = (cute.sym_int() for _ in range(6))
     mA = fake_tensor(cutlass.Uint8, (m_cap, k), (cute.sym_int64(divisibility=16), 1))
-    mB = fake_tensor(cutlass.Uint8, (n, k, e), (cute.sym_int64(divisibility=16), 1, cute.sym_int64(divisibility=16)))
+    mB = fake_tensor(cutlass.Uint8, (e, n, k), (cute.sym_int64(divisibility=16), cute.sym_int64(divisibility=16), 1))
     mSA = fake_tensor(Float32, (m_cap, k_blocks), (1, cute.sym_int64(divisibility=4)), align=16)
     mSB = fake_tensor(Float32, (e, n_blocks, k_blocks), (cute.sym_int64(), cute.sym_int64(), 1), align=4)
     mOff = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
     mC = fake_tensor(cutlass.BFloat16, (m_cap, n), (cute.sym_int64(divisibility=8), 1), align=16)
     return mA, mB, mSA, mSB, mOff, mC
+
+
+def fp8_operands(mA: cute.Tensor, mB: cute.Tensor) -> tuple[cute.Tensor, cute.Tensor]:
+    """A (M_cap, K) and B (N, K, E) in e4m3, as the kernels index them.  The codes travel as uint8
+    through TVM-FFI, and B as the op's [E, N, K] tensor: its mode order is changed here, at
+    compile time, rather than by a torch view on every call."""
+    fp8 = cutlass.Float8E4M3FN
+    mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=fp8), mA.layout)
+    mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=fp8), cute.select(mB.layout, mode=[1, 2, 0]))
+    return mA, mB
 
 
 def can_implement(m_cap: int, n: int, k: int) -> str | None:
@@ -369,7 +379,7 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
     reason = can_implement(m_cap, n, k)
     if reason is not None:
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no {arch} kernel for this input: {reason}")
-    c = torch.empty((m_cap, n), dtype=torch.bfloat16, device=a.device)
+    c = torch.empty(m_cap, n, dtype=torch.bfloat16, device=a.device)
     if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
     a_scale = prepare_a_scale(a_scale)
@@ -383,6 +393,6 @@ def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_o
     if device_arch != arch:
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
     grid = launch_grid(m_cap, n, num_sms(device), cluster_n) if grid_fn is None else grid_fn(m_cap, n, num_sms(device))
-    compiled()(a.view(torch.uint8), b.view(torch.uint8).permute(1, 2, 0), a_scale, b_scale, expert_offsets, c, *extra,
+    compiled()(a.view(torch.uint8), b.view(torch.uint8), a_scale, b_scale, expert_offsets, c, *extra,
                grid)  # fmt: skip
     return c

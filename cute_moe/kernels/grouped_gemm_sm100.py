@@ -129,8 +129,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel
 from .grouped_gemm_schedule import (
-    CLUSTER_N, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, fake_operands, launch, load_scales, tile_coords,
-    valid_tiles,
+    CLUSTER_N, TILE_K, TILE_M, TILE_N, can_implement, expert_of_row, fake_operands, fp8_operands, launch, load_scales,
+    tile_coords, valid_tiles,
 )  # fmt: skip
 
 EPI_N = 32  # epilogue sub-tile: 128 x 32 bf16 (8 KB), one TMA store each
@@ -171,9 +171,7 @@ class GroupedGemmFp8Sm100:
     @cute.jit
     def __call__(self, mA, mB, mSA, mSB, mOff, mC, num_ctas: Int32, stream):
         fp8 = cutlass.Float8E4M3FN
-        # Codes travel as uint8 through TVM-FFI; the kernel sees e4m3.
-        mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=fp8), mA.layout)  # (M_cap, K)
-        mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=fp8), mB.layout)  # (N, K, E)
+        mA, mB = fp8_operands(mA, mB)  # (M_cap, K), (N, K, E)
         tiled_mma = sm100_utils.make_trivial_tiled_mma(
             fp8, fp8, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             tcgen05.CtaGroup.ONE, (TILE_M, TILE_N),

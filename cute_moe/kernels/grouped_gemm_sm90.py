@@ -70,7 +70,8 @@ from cutlass.tensor_utils import LayoutEnum
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
-    fake_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles, visit_coords, visit_expert,
+    fake_operands, fp8_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles, visit_coords,
+    visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 516 B scales) + 2 x 8 KB =
@@ -147,9 +148,7 @@ class GroupedGemmFp8Sm90:
     @cute.jit
     def __call__(self, mA, mB, mSA, mSB, mOff, mC, mCnt, grid_ctas: Int32, stream):
         fp8 = cutlass.Float8E4M3FN
-        # Codes travel as uint8 through TVM-FFI; the kernel sees e4m3.
-        mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=fp8), mA.layout)  # (M_cap, K)
-        mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=fp8), mB.layout)  # (N, K, E)
+        mA, mB = fp8_operands(mA, mB)  # (M_cap, K), (N, K, E)
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
         sB_layout = self._smem_layout(TILE_N)

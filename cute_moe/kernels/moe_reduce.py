@@ -130,7 +130,7 @@ def compile_moe_reduce(dtype: torch.dtype, k: int, fp32_acc: bool, arch: str, ke
 def moe_reduce_cuda(hidden: torch.Tensor, weights: torch.Tensor, fp32_acc: bool = False) -> torch.Tensor:
     """Launch on hidden's device and current stream; inputs already validated by the op layer."""
     T, k, H = hidden.shape
-    out = torch.empty((T, H), dtype=hidden.dtype, device=hidden.device)
+    out = torch.empty(T, H, dtype=hidden.dtype, device=hidden.device)
     if T == 0 or H == 0:
         return out
     if k == 0:

@@ -21,7 +21,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .fp8_group import lanes_per_group, quantize_group_fp8
-from .host_checks import check_rows_16b
+from .host_checks import check_rows_16b, empty_mn_major
 
 GROUP = 128
 MAX_GRID_Y = 65535
@@ -162,6 +162,6 @@ def checked_outputs(op: str, name: str, src: torch.Tensor, reason, rows: int, co
     if reason is not None:
         raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input: {reason}")
     check_rows_16b(op, name, src)
-    codes = torch.empty((rows, cols), dtype=torch.float8_e4m3fn, device=src.device)
-    scales = torch.empty((cols // GROUP, rows), dtype=torch.float32, device=src.device).t()
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn, device=src.device)
+    scales = empty_mn_major(rows, cols // GROUP, src.device)
     return codes, scales

@@ -37,7 +37,7 @@ from ..compiler import (
     torch_to_cutlass_dtype,
 )
 from .fp8_group import lanes_per_group, quantize_group_fp8
-from .host_checks import check_rows_16b
+from .host_checks import check_rows_16b, empty_mn_major
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MAX_GRID_Y = 65535
@@ -134,11 +134,11 @@ def quant_fp8_cuda(x: torch.Tensor, group_size: int, scale_fmt: str | None, colu
     row_blocks = -(-m // QuantFp8Kernel.rows_per_cta_for(x.element_size(), group_size))
     if row_blocks > _MAX_GRID_Y:
         raise ValueError(f"cute_moe.quant_fp8: x has {m} rows; this kernel handles at most {_MAX_GRID_Y} row blocks")
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     if column_major_scales:
-        scale = torch.empty((k // group_size, m), dtype=torch.float32, device=x.device).t()
+        scale = empty_mn_major(m, k // group_size, x.device)
     else:
-        scale = torch.empty((m, k // group_size), dtype=torch.float32, device=x.device)
+        scale = torch.empty(m, k // group_size, dtype=torch.float32, device=x.device)
     if m == 0 or k == 0:
         return q, scale
     fn = compile_quant_fp8(x.dtype, group_size, scale_fmt == "ue8m0", arch_of_device(x.device))

@@ -478,8 +478,8 @@ def route_cuda(
     reason = RouteKernel.can_implement(method, E, top_k, n_group, topk_group, router_logits.dtype, has_bias)
     if reason is not None:
         raise NotImplementedError(f"cute_moe.route: no CUDA kernel for this input: {reason}")
-    ids = torch.empty((T, top_k), dtype=torch.int32, device=router_logits.device)
-    weights = torch.empty((T, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(T, top_k, dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=router_logits.device)
     if T == 0:
         return ids, weights
     V = lanes_layout(E, n_group, _is_grouped(method, n_group, topk_group))
