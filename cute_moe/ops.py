@@ -135,7 +135,8 @@ _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined
 @functools.cache
 def _launcher(module: str, name: str) -> Callable[..., Any]:
     """``cute_moe.kernels.<module>.<name>``, imported on the first CUDA call (the kernels import
-    cutlass; the ops must not): later calls cost a cache hit, not an import statement's ~1 µs."""
+    cutlass; the ops must not): later calls cost a cache hit, not an import statement's ~1 µs.
+    The function is kept: patching the kernel module's attribute afterwards does not reach the op."""
     return getattr(importlib.import_module(f"cute_moe.kernels.{module}"), name)
 
 

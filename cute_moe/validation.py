@@ -69,6 +69,9 @@ KV_LAYOUTS = ("bshd", "bhsd")
 _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_ACT = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32,)
+# Tensor types whose data_ptr() is a real address: a Parameter built from a fake tensor has the
+# fake tensor's type, not Parameter.
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
@@ -213,7 +216,7 @@ def check_float(op: str, name: str, v: Any) -> None:
 
 def check_choice(op: str, name: str, v: Any, choices: Sequence[Any]) -> None:
     """ValueError unless ``v`` is one of ``choices``."""
-    if (v is None or type(v) is str) and v in choices:  # the common case, without a generator
+    if type(choices) is tuple and (v is None or type(v) is str) and v in choices:  # the common case
         return
     if not any(v is c if c is None else (isinstance(v, str) and v == c) for c in choices):
         opts = ", ".join(repr(c) for c in choices)
@@ -252,15 +255,17 @@ def _tensor(
     if last_dim_contiguous and ndim and shape[-1] != 1 and stride[-1] != 1:
         check_last_dim_contiguous(op, name, t)
     if t.is_cuda:
-        # A plain tensor's aligned base passes at once; anything else (a misaligned or empty
-        # tensor, a fake tensor whose data_ptr() is not real) takes the detailed check.
-        if type(t) is not Tensor or t.data_ptr() % 16:
+        # A plain tensor (or parameter) with an aligned base and strides passes here; any failure,
+        # and any other tensor type (a fake tensor's data_ptr() is not real), goes to the detailed
+        # check, which raises with the message or lets an empty tensor through.
+        if type(t) not in _PLAIN or t.data_ptr() % 16:
             check_aligned_16(op, name, t, strides=tma)
         elif tma:
             item = dtype.itemsize
             for size, s in zip(shape, stride):
                 if size > 1 and s != 1 and (s * item) % 16:
                     check_aligned_16(op, name, t, strides=True)
+                    return
 
 
 def _offsets(op: str, name: str, t: Any, num: Optional[int] = None, num_what: str = "") -> int:

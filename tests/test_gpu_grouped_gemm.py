@@ -383,6 +383,24 @@ def test_grouped_gemm_fp8_rejects_unaligned_a_scale():
         gg.grouped_gemm_fp8_cuda(p.a, odd_stride, p.b, p.b_scale, p.routing.offsets)
 
 
+def test_grouped_gemm_fp8_op_checks_tma_operands_on_cuda():
+    """The op's CUDA path refuses an A whose base or B whose row stride is not a multiple of 16 bytes
+    (TMA) with a ValueError naming the argument, and takes weights held as an nn.Parameter."""
+    p = make_problem(2, 256, 512, routing_from_counts([128, 0]), seed=33)
+    op = torch.ops.cute_moe.grouped_gemm_fp8
+    shifted = torch.empty(p.a.numel() + 8, dtype=torch.uint8, device="cuda")[8:].view(p.a.shape)
+    shifted.copy_(p.a.view(torch.uint8))
+    with pytest.raises(ValueError, match="cute_moe.grouped_gemm_fp8: a must be 16-byte aligned"):
+        op(shifted.view(p.a.dtype), p.a_scale, p.b, p.b_scale, p.routing.offsets)
+    wide = torch.empty(*p.b.shape[:2], p.b.shape[2] + 8, dtype=torch.uint8, device="cuda")[:, :, : p.b.shape[2]]
+    wide.copy_(p.b.view(torch.uint8))
+    with pytest.raises(ValueError, match="cute_moe.grouped_gemm_fp8: b strides must be multiples of 16 bytes"):
+        op(p.a, p.a_scale, wide.view(p.b.dtype), p.b_scale, p.routing.offsets)
+    as_parameter = torch.nn.Parameter(p.b, requires_grad=False)
+    assert torch.equal(op(p.a, p.a_scale, as_parameter, p.b_scale, p.routing.offsets)[:128],
+                       op(*p.args())[:128])  # fmt: skip
+
+
 def test_grouped_gemm_fp8_all_experts_empty():
     p = make_problem(8, 512, 4096, routing_from_counts([0] * 8, m_cap=256), seed=11)
     c = gg.grouped_gemm_fp8_cuda(*p.args())

@@ -1,8 +1,8 @@
-"""The launch-time checks shared by the kernels' host code (run on CPU tensors here)."""
+"""The launch-time checks and allocations shared by the kernels' host code (run on CPU tensors here)."""
 import pytest
 import torch
 
-from cute_moe.kernels.host_checks import check_rows_16b, debug_check_index_range
+from cute_moe.kernels.host_checks import check_rows_16b, debug_check_index_range, empty_mn_major
 
 
 def test_rows_16b_accepts_aligned_rows_and_size_one_dims():
@@ -36,3 +36,12 @@ def test_debug_index_range_names_the_first_bad_entry(monkeypatch):
         debug_check_index_range("op", "ids", torch.tensor([[-1, 0], [10, 3]]), 10)
     with pytest.raises(ValueError, match=r"first at \(0, 1\)"):
         debug_check_index_range("op", "ids", torch.tensor([[0, -2]]), 10)
+
+
+@pytest.mark.parametrize("rows,cols", [(0, 0), (0, 56), (1, 56), (7, 1), (4096, 56), (3, 0)])
+def test_empty_mn_major_has_the_layout_the_fake_implementations_promise(rows, cols):
+    """The ops' fake implementations build MN-major scales as empty(cols, rows).t(): the kernels'
+    single empty_strided must give the same shape and strides, zero-size dims included."""
+    got = empty_mn_major(rows, cols, torch.device("cpu"))
+    want = torch.empty(cols, rows).t()
+    assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)

@@ -15,8 +15,9 @@ from ..compiler import arch_of_device_index
 
 
 @functools.cache
-def _launcher(arch: str):
-    """The launch function of ``arch``'s kernel, imported on first use."""
+def _arch_launcher(arch: str):
+    """The launch function of ``arch``'s kernel, imported on first use (and kept: patching the
+    kernel module's function afterwards does not reach this entry point)."""
     if arch == "sm_90a":
         from .grouped_gemm_sm90 import grouped_gemm_fp8_cuda
 
@@ -33,7 +34,7 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding; the sm_100a kernel
     computes every row.  Either way padding rows of the output are unspecified: zero when A's
     padding rows are (``permute_quant``'s default), anything when they were left unwritten."""
-    return _launcher(arch_of_device_index(a.get_device()))(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    return _arch_launcher(arch_of_device_index(a.get_device()))(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 
 def inspect_variants(arch: str):
