@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import torch
 
+from cute_moe import launch_memo
+
 SUPPORTED_ARCHS = ("sm_90a", "sm_100a")
 _CAPABILITY_TO_ARCH = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
@@ -75,6 +77,8 @@ def import_cute(arch: str | None = None):
 
 def fake_tensor(dtype, shape, stride, align: int = 16):
     """A global-memory fake tensor for compilation (never a CPU tensor: see CUTE_DSL_NOTES)."""
+    if align > 16:  # the launch memo keys addresses by their alignment up to 16 B only
+        raise ValueError(f"cute_moe: fake_tensor's align must be at most 16 bytes, got {align}")
     cute = import_cute()
     return cute.runtime.make_fake_tensor(dtype, shape, stride, assumed_align=align)
 
@@ -88,10 +92,36 @@ def compile_kernel(kernel: Any, *fake_args, arch: str, keep_cubin: bool = False)
     """``cute.compile`` a kernel object for ``arch`` with the TVM-FFI calling convention."""
     cute = import_cute(arch)
     options = f"--enable-tvm-ffi --gpu-arch {check_arch(arch)}"
+    recorder = launch_memo.recording()
+    if recorder is not None:
+        recorder.compiled = True
     with _compile_lock, tempfile.TemporaryDirectory(prefix="cute_moe_") as dump_dir:
         if keep_cubin:  # the cubin bytes land in .artifacts.CUBIN; the dumped file is dropped
             options += f" --keep-cubin --dump-dir={dump_dir}"
-        return cute.compile(kernel, *fake_args, fake_stream(), options=options)
+        return CompiledKernel(cute.compile(kernel, *fake_args, fake_stream(), options=options))
+
+
+class CompiledKernel:
+    """A compiled function, called as before; a call the launch memo is recording is noted
+    (``launch_memo.py``).  Attributes are the compiled function's."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+
+    def __call__(self, *args: Any) -> Any:
+        recorder = launch_memo.recording()
+        if recorder is not None:
+            recorder.calls.append((self, args))
+        return self.fn(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+    def handle(self) -> int:
+        """The TVM-FFI function's C handle (``TVMFFIObjectHandle``)."""
+        return self.fn.__tvm_ffi_object__().__chandle__()
 
 
 def cached_compile(fn: Callable) -> Callable:

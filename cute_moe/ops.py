@@ -33,6 +33,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor
 
+from cute_moe import launch_memo
 from cute_moe import reference as R
 from cute_moe import validation as V
 
@@ -86,9 +87,16 @@ class _Op:
         self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests
 
     def register_kernel(self, device_type: str, fn: Optional[Callable[..., Any]] = None) -> Any:
+        """A CUDA implementation is registered behind the launch memo (``launch_memo.py``): eager
+        calls whose argument metadata was seen before replay in C++.  The undecorated function
+        is returned and stays what it was."""
+
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
-            _LIB.impl(self.name, impl, device_type.upper())
-            self.kernels[device_type] = impl
+            kernel = impl
+            if device_type == "cuda":
+                kernel = launch_memo.memoized(impl, _OP_IDS.setdefault(self.name, len(_OP_IDS)))
+            _LIB.impl(self.name, kernel, device_type.upper())
+            self.kernels[device_type] = kernel
             return impl
 
         return register if fn is None else register(fn)
@@ -130,6 +138,7 @@ def call(name: str, *args: Any) -> Any:
 
 
 _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined
+_OP_IDS: dict[str, int] = {}  # name -> the launch memo's op id
 
 
 @functools.cache

@@ -1,0 +1,251 @@
+"""The launch memo (cute_moe/launch_memo.py) on CPU tensors: record, replay, and every case it must
+not replay.  The "kernels" are TVM-FFI functions made from Python callables that compute with
+numpy (no aten op, so the recorder sees only what the op's host code does), called through
+``compiler.CompiledKernel`` exactly as the compiled DSL kernels are."""
+from __future__ import annotations
+
+import ctypes
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from cute_moe import launch_memo
+from cute_moe.compiler import CompiledKernel
+
+tvm_ffi = pytest.importorskip("tvm_ffi")
+
+_ids = itertools.count(1000)  # op ids of their own: the real ops use the small ones
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    try:
+        return launch_memo.load_extension()
+    except Exception as e:  # noqa: BLE001
+        pytest.fail(f"the launch memo's extension does not build here: {e}")
+
+
+class _PyKernel:
+    """A TVM-FFI function from a Python callable, shaped like the DSL's compiled functions."""
+
+    def __init__(self, fn):
+        self.ffi = tvm_ffi.convert(fn)
+
+    def __tvm_ffi_object__(self):
+        return self.ffi
+
+    def __call__(self, *args):
+        return self.ffi(*args)
+
+
+def _np(t):
+    """A numpy view of a TVM-FFI tensor argument (one passed by DLTensor pointer has no DLPack
+    export of its own)."""
+    dtype = np.dtype(str(t.dtype))
+    span = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides)) if all(t.shape) else 0
+    flat = np.ctypeslib.as_array((ctypes.c_byte * (span * dtype.itemsize)).from_address(t.data_ptr()))
+    return np.lib.stride_tricks.as_strided(
+        flat.view(dtype), t.shape, tuple(s * dtype.itemsize for s in t.strides), writeable=True
+    )
+
+
+def _axpy(x, y, out, alpha):  # out = alpha * x + y, in float32
+    o = _np(out)
+    o[...] = alpha * _np(x).astype(np.float32) + _np(y).astype(np.float32)
+
+
+AXPY = CompiledKernel(_PyKernel(_axpy))
+
+
+def _axpy_op(x, y, alpha):
+    """The shape of an op's CUDA implementation: checks, an allocation, one kernel call."""
+    if x.shape != y.shape or x.dim() != 2:
+        raise ValueError(f"axpy: x and y must be 2-D of one shape, got {tuple(x.shape)} and {tuple(y.shape)}")
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32)
+    AXPY(x, y, out, alpha)
+    return out
+
+
+def _entries():
+    return launch_memo.stats()[0]
+
+
+def _memo(impl):
+    return launch_memo.memoized(impl, next(_ids))
+
+
+def test_replay_computes_on_new_data_into_new_outputs():
+    op = _memo(_axpy_op)
+    x, y = torch.randn(5, 7), torch.randn(5, 7)
+    first = op(x, y, 2.0)
+    plans, hits, _ = launch_memo.stats()
+    for _ in range(3):
+        x, y = torch.randn(5, 7), torch.randn(5, 7)
+        out = op(x, y, 2.0)
+        assert out.data_ptr() != first.data_ptr()
+        assert out.shape == (5, 7) and out.stride() == (7, 1) and out.dtype == torch.float32
+        torch.testing.assert_close(out, 2.0 * x + y, rtol=0, atol=0)
+    assert launch_memo.stats()[:2] == (plans, hits + 3)
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["shape", "dtype", "strides", "alignment", "scalar", "scalar_type"],
+)
+def test_other_metadata_is_a_miss(change):
+    op = _memo(_axpy_op)
+    base = torch.randn(6, 8)
+    op(base, torch.randn(6, 8), 1.5)
+    hits = launch_memo.stats()[1]
+    x, y, alpha = torch.randn(6, 8), torch.randn(6, 8), 1.5
+    if change == "shape":
+        x, y = torch.randn(6, 4), torch.randn(6, 4)
+    elif change == "dtype":
+        x = torch.randn(6, 8, dtype=torch.float64)
+    elif change == "strides":
+        x = torch.randn(8, 6).t()
+    elif change == "alignment":  # one element in: 4-byte aligned
+        x = torch.randn(6 * 8 + 1)[1:].view(6, 8)
+    elif change == "scalar":
+        alpha = -0.5
+    elif change == "scalar_type":
+        alpha = 3
+    out = op(x, y, alpha)
+    assert launch_memo.stats()[1] == hits
+    torch.testing.assert_close(out, (alpha * x.float() + y).float(), rtol=0, atol=0)
+    # and that metadata now replays
+    x2 = x.clone() if change != "strides" else torch.randn(8, 6).t()
+    if change == "alignment":
+        x2 = torch.randn(6 * 8 + 1)[1:].view(6, 8)
+    out = op(x2, y, alpha)
+    assert launch_memo.stats()[1] == hits + 1
+    torch.testing.assert_close(out, (alpha * x2.float() + y).float(), rtol=0, atol=0)
+
+
+def test_bad_input_raises_every_time_and_is_not_recorded():
+    op = _memo(_axpy_op)
+    plans = _entries()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="x and y must be 2-D of one shape"):
+            op(torch.randn(3, 4), torch.randn(4, 3), 1.0)
+    assert _entries() == plans
+
+
+def test_host_code_beyond_allocations_and_views_is_never_replayed():
+    recorded = []
+
+    def op_with_copy(x, y, alpha):
+        recorded.append(launch_memo.recording() is not None)
+        return _axpy_op(x.contiguous(), y, alpha)  # a copy when x is not contiguous
+
+    op = _memo(op_with_copy)
+    hits = launch_memo.stats()[1]
+    for _ in range(3):
+        x, y = torch.randn(7, 5).t(), torch.randn(5, 7)
+        torch.testing.assert_close(op(x, y, 1.0), x + y, rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits
+    assert recorded == [True, False, False]  # the first call's failure is remembered
+
+
+def test_inputs_sharing_storage_replay_only_with_the_same_aliasing():
+    op = _memo(_axpy_op)
+    buf = torch.randn(3, 4, 4)
+    torch.testing.assert_close(op(buf[0], buf[1], 1.0), buf[0] + buf[1], rtol=0, atol=0)  # records
+    hits = launch_memo.stats()[1]
+    buf = torch.randn(3, 4, 4)
+    torch.testing.assert_close(op(buf[0], buf[1], 1.0), buf[0] + buf[1], rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits + 1
+    torch.testing.assert_close(op(buf[1], buf[2], 1.0), buf[1] + buf[2], rtol=0, atol=0)  # same distance
+    assert launch_memo.stats()[1] == hits + 2
+    for x, y in ((buf[0], buf[2]), (buf[0], buf[0]), (buf[1], buf[0]), (torch.randn(4, 4), torch.randn(4, 4))):
+        torch.testing.assert_close(op(x, y, 1.0), x + y, rtol=0, atol=0)  # other aliasing: a miss
+    assert launch_memo.stats()[1] == hits + 2
+
+
+def test_recorded_separately_then_replayed_on_shared_storage():
+    op = _memo(_axpy_op)
+    op(torch.randn(4, 4), torch.randn(4, 4), 1.0)
+    hits = launch_memo.stats()[1]
+    buf = torch.randn(2, 4, 4)
+    torch.testing.assert_close(op(buf[0], buf[1], 1.0), buf[0] + buf[1], rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits  # aliasing is part of the key
+
+
+def _rowsum(x, out):  # out[i] = sum of x's row i (x as uint8 bytes of float32 values)
+    _np(out)[:, 0] = _np(x).view(np.float32).sum(axis=1)
+
+
+ROWSUM = CompiledKernel(_PyKernel(_rowsum))
+
+
+def test_views_dtype_views_offsets_and_result_views():
+    def op_views(x):
+        # a byte view of rows 1.. (an offset into the input), and a result that is a view
+        # (the transpose of the allocation), returned beside the allocation itself
+        col = torch.empty(1, x.shape[0] - 1, dtype=torch.float32)
+        ROWSUM(x[1:].view(torch.uint8), col.t())
+        return col.t(), col
+
+    op = _memo(op_views)
+    op(torch.randn(6, 4))
+    hits = launch_memo.stats()[1]
+    x = torch.randn(6, 4)
+    colt, col = op(x)
+    assert launch_memo.stats()[1] == hits + 1
+    assert colt.shape == (5, 1) and col.shape == (1, 5) and colt.data_ptr() == col.data_ptr()
+    torch.testing.assert_close(colt[:, 0], x[1:].sum(1), rtol=1e-6, atol=1e-6)
+
+
+def _scale_rows(y, s):  # y[i, :] *= s[i], in place
+    _np(y)[...] *= _np(s)[:, None]
+
+
+SCALE_ROWS = CompiledKernel(_PyKernel(_scale_rows))
+
+
+def test_an_op_that_mutates_its_input_and_returns_none():
+    def op_inplace(y, s):
+        SCALE_ROWS(y, s)
+
+    op = _memo(op_inplace)
+    op(torch.randn(3, 5), torch.randn(3))
+    hits = launch_memo.stats()[1]
+    y, s = torch.randn(3, 5), torch.randn(3)
+    expect = y * s[:, None]
+    assert op(y, s) is None
+    assert launch_memo.stats()[1] == hits + 1
+    torch.testing.assert_close(y, expect, rtol=0, atol=0)
+
+
+def test_debug_mode_is_never_replayed(monkeypatch):
+    op = _memo(_axpy_op)
+    op(torch.randn(2, 3), torch.randn(2, 3), 1.0)
+    monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
+    hits = launch_memo.stats()[1]
+    x, y = torch.randn(2, 3), torch.randn(2, 3)
+    torch.testing.assert_close(op(x, y, 1.0), x + y, rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits
+
+
+def test_unhandled_arguments_take_the_python_path():
+    calls = []
+
+    def op_list(x, sizes):
+        calls.append(sizes)
+        return _axpy_op(x, x.clone(), 1.0)
+
+    op = _memo(op_list)
+    for _ in range(2):
+        op(torch.randn(2, 2), [1, 2])
+    assert len(calls) == 2
+
+
+def test_the_ops_cuda_implementations_are_memoized():
+    from cute_moe import ops
+
+    for name, op in ops._OPS.items():
+        cuda = op.kernels.get("cuda")
+        if cuda is not None:
+            assert cuda.__wrapped__.__name__.endswith("_cuda"), name
