@@ -19,12 +19,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import os
 import sys
 import tempfile
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -98,30 +100,49 @@ def compile_kernel(kernel: Any, *fake_args, arch: str, keep_cubin: bool = False)
     with _compile_lock, tempfile.TemporaryDirectory(prefix="cute_moe_") as dump_dir:
         if keep_cubin:  # the cubin bytes land in .artifacts.CUBIN; the dumped file is dropped
             options += f" --keep-cubin --dump-dir={dump_dir}"
-        return CompiledKernel(cute.compile(kernel, *fake_args, fake_stream(), options=options))
+        fn = cute.compile(kernel, *fake_args, fake_stream(), options=options)
+    # Every parameter given positionally, none keyword-only, no dataclass: the DSL's Python
+    # wrapper then passes a call's arguments through unchanged, as a replay does.
+    keyword_only = any(p.kind is p.KEYWORD_ONLY for p in inspect.signature(type(kernel).__call__).parameters.values())
+    plain = not keyword_only and not any(dataclasses.is_dataclass(a) for a in fake_args)
+    return CompiledKernel(fn, len(fake_args) if plain else None)
 
 
 class CompiledKernel:
     """A compiled function, called as before; a call the launch memo is recording is noted
-    (``launch_memo.py``).  Attributes are the compiled function's."""
+    (``launch_memo.py``).  Attributes are the compiled function's.  ``arity``: the number of
+    positional arguments a call passes through the DSL's wrapper unchanged (None: the wrapper
+    may rewrite them, so calls are not replayable)."""
 
-    __slots__ = ("fn",)
+    __slots__ = ("fn", "arity")
 
-    def __init__(self, fn: Any):
+    def __init__(self, fn: Any, arity: Optional[int]):
         self.fn = fn
+        self.arity = arity
 
     def __call__(self, *args: Any) -> Any:
         recorder = launch_memo.recording()
-        if recorder is not None:
-            recorder.calls.append((self, args))
-        return self.fn(*args)
+        if recorder is None:
+            return self.fn(*args)
+        recorder.calls.append((self, args))
+        out = self.fn(*args)
+        if out is not None:  # a replay could not reproduce what the host does with it
+            recorder.memoizable = False
+        return out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
 
-    def handle(self) -> int:
-        """The TVM-FFI function's C handle (``TVMFFIObjectHandle``)."""
-        return self.fn.__tvm_ffi_object__().__chandle__()
+    def handle(self, num_args: int) -> Optional[int]:
+        """The TVM-FFI function's C handle (``TVMFFIObjectHandle``) for a call with ``num_args``
+        positional arguments, or None when such a call cannot be replayed by that handle."""
+        if self.arity is None or num_args != self.arity:
+            return None
+        if getattr(getattr(self.fn, "execution_args", None), "has_pointer_address_arg_specs", False):
+            return None  # the wrapper converts pointer arguments
+        ffi = self.fn.__tvm_ffi_object__() if hasattr(self.fn, "__tvm_ffi_object__") else self.fn
+        handle = getattr(ffi, "__chandle__", None)
+        return handle() if handle is not None else None
 
 
 def cached_compile(fn: Callable) -> Callable:

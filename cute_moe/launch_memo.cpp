@@ -82,7 +82,9 @@ struct Plan {
 
 // Never destroyed: at exit, releasing the plans' function handles could call into a finalized
 // interpreter (a Python-defined TVM-FFI function).
-auto& g_plans = *new std::unordered_map<std::string, std::unique_ptr<Plan>>();  // null: not replayable
+// Plans are shared: a replay keeps its own reference, as wrapping its outputs can run Python
+// (a garbage collection) that clears the memo.
+auto& g_plans = *new std::unordered_map<std::string, std::shared_ptr<const Plan>>();  // null: not replayable
 
 template <typename T>
 void put(std::string& key, T v) {
@@ -110,7 +112,10 @@ bool make_key(int64_t op, PyObject* args, std::string& key, std::vector<const at
       if (inputs) inputs->push_back(nullptr);
     } else if (is_plain_tensor(a)) {
       const at::Tensor& t = THPVariable_Unpack(a);
-      if (t.layout() != c10::kStrided) return false;
+      if (t.layout() != c10::kStrided || t.is_nested() || t.is_neg() || t.is_conj() || !t.has_storage() ||
+          t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+        return false;
+      }
       key.push_back(Py_TYPE(a) == g_tensor_type ? 'T' : 'P');
       put(key, static_cast<int8_t>(t.scalar_type()));
       put(key, static_cast<int8_t>(t.device().type()));
@@ -126,14 +131,16 @@ bool make_key(int64_t op, PyObject* args, std::string& key, std::vector<const at
       // offsets from the first input of their storage).
       const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
       int32_t first = -1;
+      uintptr_t first_ptr = ptr;
       for (const auto& [other_storage, other_index, other_ptr] : storages) {
         if (other_storage == storage) {
           first = other_index;
-          put(key, static_cast<int64_t>(ptr - other_ptr));
+          first_ptr = other_ptr;
           break;
         }
       }
       put(key, first);
+      put(key, static_cast<int64_t>(ptr - first_ptr));
       if (first < 0) storages.emplace_back(storage, static_cast<int32_t>(i), ptr);
       if (inputs) inputs->push_back(&t);
     } else if (PyBool_Check(a)) {
@@ -173,16 +180,25 @@ bool debug_mode() {
   return d != nullptr && std::strcmp(d, "1") == 0;
 }
 
+// The error a TVM-FFI call raised, as the Python exception of the same kind (a builtin
+// exception type of that name, else RuntimeError), as the Python path would raise it.
 [[noreturn]] void raise_ffi_error() {
+  if (PyErr_Occurred()) throw python_error();  // raised in Python (a Python-defined function)
   TVMFFIObjectHandle err = nullptr;
   TVMFFIErrorMoveFromRaised(&err);
+  if (err == nullptr) TORCH_CHECK(false, "cute_moe launch memo: a TVM-FFI call failed without an error");
   TVMFFIErrorCell* cell = TVMFFIErrorGetCellPtr(err);
   std::string kind(cell->kind.data, cell->kind.size);
   std::string msg(cell->message.data, cell->message.size);
   TVMFFIObjectDecRef(err);
-  if (kind == "ValueError") TORCH_CHECK_VALUE(false, msg);
-  if (kind == "TypeError") TORCH_CHECK_TYPE(false, msg);
-  TORCH_CHECK(false, "cute_moe launch memo: ", kind, ": ", msg);
+  PyObject* type = PyDict_GetItemString(PyEval_GetBuiltins(), kind.c_str());  // borrowed
+  if (type == nullptr || !PyType_Check(type) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(type), reinterpret_cast<PyTypeObject*>(PyExc_Exception))) {
+    type = PyExc_RuntimeError;
+    msg = kind + ": " + msg;
+  }
+  PyErr_SetString(type, msg.c_str());
+  throw python_error();
 }
 
 void* current_cuda_stream(c10::DeviceIndex index) {
@@ -269,7 +285,9 @@ PyObject* lookup(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   thread_local std::string key;
   thread_local std::vector<const at::Tensor*> inputs;
   inputs.clear();
-  if (debug_mode() || !make_key(PyLong_AsLongLong(argv[0]), argv[1], key, &inputs)) {
+  int64_t op = PyLong_AsLongLong(argv[0]);
+  if (op == -1 && PyErr_Occurred()) return nullptr;
+  if (debug_mode() || !make_key(op, argv[1], key, &inputs)) {
     if (PyErr_Occurred()) return nullptr;
     ++g_misses;
     Py_INCREF(g_skip);
@@ -287,7 +305,8 @@ PyObject* lookup(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     return g_skip;
   }
   ++g_hits;
-  return replay(*it->second, inputs);
+  std::shared_ptr<const Plan> plan = it->second;
+  return replay(*plan, inputs);
   END_HANDLE_TH_ERRORS
 }
 

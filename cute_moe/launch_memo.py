@@ -33,6 +33,7 @@ that fails the ops keep the Python path and a warning says why.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -66,6 +67,7 @@ MISS = _Sentinel("MISS")  # lookup: metadata not seen yet, record the call
 SKIP = _Sentinel("SKIP")  # lookup: calls with this metadata cannot be replayed, run the Python path
 _tls = threading.local()  # .recorder: the _Recorder of a call being recorded on this thread
 _ext: Any = None  # the loaded extension; False where it cannot be built or the memo is off
+_loaded: Any = None  # the loaded extension, also while the memo is switched off
 _ext_lock = threading.Lock()
 _ALLOCATIONS = frozenset(
     {
@@ -105,6 +107,7 @@ def _build(path: str) -> None:
     os.replace(out, path)
 
 
+@functools.cache
 def load_extension() -> Any:
     """The compiled C side, built on first use; raises if it cannot be built."""
     import tvm_ffi  # noqa: F401, PLC0415 (loads libtvm_ffi before the extension needs it)
@@ -125,7 +128,7 @@ def load_extension() -> Any:
 
 
 def _extension() -> Any:
-    global _ext
+    global _ext, _loaded
     if _ext is None:
         with _ext_lock:
             if _ext is None:
@@ -133,7 +136,7 @@ def _extension() -> Any:
                     _ext = False
                 else:
                     try:
-                        _ext = load_extension()
+                        _ext = _loaded = load_extension()
                     except Exception as e:  # noqa: BLE001 (any build failure keeps the Python path)
                         warnings.warn(f"cute_moe: the launch memo is off (eager calls stay in Python): {e}",
                                       stacklevel=3)  # fmt: skip
@@ -152,11 +155,18 @@ class _Recorder(TorchDispatchMode):
         self.compiled = False  # a kernel was compiled during the call (compiler.compile_kernel)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
         if func in _ALLOCATIONS:
             self.allocations.append(out)
         elif not func.is_view:
             self.memoizable = False
+        elif func is torch.ops.aten.as_strided.default:
+            # its storage_offset counts from the storage's start, which the key does not hold:
+            # only views that keep the input's own offset are replayable
+            offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+            if offset is not None and offset != args[0].storage_offset():
+                self.memoizable = False
         return out
 
     def plan(self, args: tuple, out: Any) -> Optional[tuple]:
@@ -184,7 +194,10 @@ class _Recorder(TorchDispatchMode):
                     encoded.append(a)
                 else:
                     return None
-            calls.append((kernel.handle(), encoded))
+            handle = kernel.handle(len(kargs))
+            if handle is None:
+                return None
+            calls.append((handle, encoded))
         if out is None:
             kind, outs = 0, []
         elif isinstance(out, torch.Tensor):
@@ -196,7 +209,7 @@ class _Recorder(TorchDispatchMode):
         results = []
         for t in outs:
             source = sources.get(t.untyped_storage()._cdata)
-            if source is None or source[0] != 1:
+            if source is None or source[0] != 1 or t.dtype != self.allocations[source[1]].dtype:
                 return None
             results.append((source[1], t))
         return self.allocations, calls, kind, results
@@ -215,12 +228,15 @@ def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
             out = impl(*args)
     finally:
         _tls.recorder = None
-    if os.environ.get("CUTE_MOE_DEBUG") == "1":
-        return out
-    plan = recorder.plan(args, out)
-    if plan is not None:
-        ext.store(op_id, args, *plan)
-    elif not recorder.compiled:  # what compiling runs says nothing about the next call
+    if recorder.compiled or os.environ.get("CUTE_MOE_DEBUG") == "1":
+        return out  # what compiling runs says nothing about the next call: that one records
+    try:
+        plan = recorder.plan(args, out)
+        if plan is not None:
+            ext.store(op_id, args, *plan)
+        else:
+            ext.store(op_id, args)
+    except Exception:  # noqa: BLE001 (the call itself succeeded: its result stands, unmemoized)
         ext.store(op_id, args)
     return out
 
@@ -248,17 +264,15 @@ def set_enabled(on: bool) -> None:
     """Turn the memo on or off in this process (benchmarks compare the two paths)."""
     global _ext
     with _ext_lock:
-        _ext = None if on else False
+        _ext = (_loaded or None) if on else False
 
 
 def stats() -> tuple[int, int, int]:
     """(entries held, replayable or not; hits; misses) since the last ``clear``; zeros while the
-    memo is off."""
-    ext = _ext if _ext is not None else _extension()
-    return ext.stats() if ext else (0, 0, 0)
+    memo is off or not loaded yet."""
+    return _loaded.stats() if _loaded else (0, 0, 0)
 
 
 def clear() -> None:
-    ext = _ext if _ext is not None else _extension()
-    if ext:
-        ext.clear()
+    if _loaded:
+        _loaded.clear()

@@ -38,7 +38,8 @@ def _equal(a, b):
 
 
 def test_replays_equal_the_python_path_bit_for_bit():
-    cute_moe.quant_fp8(random_activations(96, 1024, torch.bfloat16, seed=0))  # records
+    for seed in (0, 10):  # the call that compiles records nothing; the next one records
+        cute_moe.quant_fp8(random_activations(96, 1024, torch.bfloat16, seed=seed))
     for seed in range(1, 4):
         x = random_activations(96, 1024, torch.bfloat16, seed=seed)
         hits = launch_memo.stats()[1]
@@ -50,7 +51,8 @@ def test_replays_equal_the_python_path_bit_for_bit():
 
 def test_every_step_of_the_layer_is_replayed_and_the_layer_stays_right():
     weights = _layer(0)
-    cute_moe.fused_moe(*_tokens(1), *weights, K, "softmax")  # records every step
+    for seed in (1, 11):  # compiles, then records every step
+        cute_moe.fused_moe(*_tokens(seed), *weights, K, "softmax")
     x, logits = _tokens(2)
     plans, hits, misses = launch_memo.stats()
     poison_allocator()
@@ -93,3 +95,74 @@ def test_bad_input_still_raises_after_good_input_was_memoized():
         cute_moe.quant_fp8(x, group_size=96)
     with pytest.raises(ValueError):
         cute_moe.quant_fp8(x[:, :500])
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def _routing(g, tokens=64, experts=E, k=K):
+    ids = torch.stack([torch.randperm(experts, device="cuda", generator=g)[:k] for _ in range(tokens)]).int()
+    return ops.call("align", ids, experts, 128, 0, None)
+
+
+def _case_align(seed):  # T*k = 8192: the two-launch path
+    g = _gen(seed)
+    return (torch.randint(0, 256, (1024, 8), device="cuda", generator=g, dtype=torch.int32), 256, 128, 0, None)
+
+
+def _case_route(seed):
+    g = _gen(seed)
+    logits = torch.randn(33, 256, device="cuda", generator=g)
+    return (logits, 8, "deepseek_v3", torch.randn(256, device="cuda", generator=g), 8, 4, 2.5)
+
+
+def _case_silu_up_first(seed):
+    off = _routing(_gen(seed))[0]
+    h = torch.randn(cute_moe.m_cap(T, K, E, 128), 2 * I, device="cuda", generator=_gen(seed + 1))
+    return (h.to(torch.bfloat16), off, False, None)
+
+
+def _case_gemm_k128(seed):
+    g = _gen(seed)
+    off, r2t, _, counts = _routing(g)
+    a, a_scale = ops.call("permute_quant", torch.randn(T, 128, device="cuda", generator=g).to(torch.bfloat16), r2t,
+                          off, None)  # fmt: skip
+    b, b_scale = quant_block_128x128_ref(torch.randn(E, 256, 128, device="cuda", generator=g))
+    return (a, a_scale, b, b_scale, off, None)
+
+
+def _case_fill_kv_from_one_qkv(seed):
+    g = _gen(seed)
+    qkv = torch.randn(3, 3, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    caches = [torch.zeros(4, 16, 8, 128, device="cuda", dtype=torch.float8_e4m3fn) for _ in range(2)]
+    scales = [torch.zeros(4, 16, 8, 1, device="cuda") for _ in range(2)]
+    meta = (torch.tensor([0, 3], device="cuda", dtype=torch.int32), torch.tensor([7], device="cuda", dtype=torch.int32),
+            torch.arange(4, device="cuda", dtype=torch.int32).view(1, 4))  # fmt: skip
+    return (qkv[:, 1], qkv[:, 2], *caches, *scales, *meta, 128, None, "bshd")
+
+
+@pytest.mark.parametrize(
+    "name, case",
+    [("align", _case_align), ("route", _case_route), ("silu_mul_quant", _case_silu_up_first),
+     ("grouped_gemm_fp8", _case_gemm_k128), ("fill_kv_cache_fp8", _case_fill_kv_from_one_qkv)],  # fmt: skip
+)
+def test_each_op_replays_bit_for_bit(name, case):
+    for seed in (0, 2):  # compiles, then records
+        ops.call(name, *case(seed))
+    args = case(1)
+    hits = launch_memo.stats()[1]
+    got = ops.call(name, *args)
+    assert launch_memo.stats()[1] == hits + 1, "not replayed"
+    twin = case(1)  # the same inputs again, for the Python path
+    want = _python_path(name, *twin)
+    torch.cuda.synchronize()
+    if want is None:  # in place: compare what each path wrote
+        got, want = args[2:6], twin[2:6]
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    # rows past the last segment are never written by silu_mul_quant and the GEMM (unspecified)
+    end = int(args[4 if name == "grouped_gemm_fp8" else 1][-1]) if name in ("silu_mul_quant", "grouped_gemm_fp8") else None
+    for g_, w_ in zip(got, want):
+        assert g_.shape == w_.shape and g_.stride() == w_.stride() and g_.dtype == w_.dtype
+        assert torch.equal(g_[:end].contiguous().view(torch.uint8), w_[:end].contiguous().view(torch.uint8))

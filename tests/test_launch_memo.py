@@ -56,7 +56,7 @@ def _axpy(x, y, out, alpha):  # out = alpha * x + y, in float32
     o[...] = alpha * _np(x).astype(np.float32) + _np(y).astype(np.float32)
 
 
-AXPY = CompiledKernel(_PyKernel(_axpy))
+AXPY = CompiledKernel(_PyKernel(_axpy), 4)
 
 
 def _axpy_op(x, y, alpha):
@@ -110,8 +110,10 @@ def test_other_metadata_is_a_miss(change):
         x = torch.randn(6 * 8 + 1)[1:].view(6, 8)
     elif change == "scalar":
         alpha = -0.5
-    elif change == "scalar_type":
-        alpha = 3
+    elif change == "scalar_type":  # 1.5 -> 1.5 as int is impossible: 2.0 (float) was seen, 2 (int) not
+        alpha = 2
+        op(torch.randn(6, 8), torch.randn(6, 8), 2.0)
+        hits = launch_memo.stats()[1]
     out = op(x, y, alpha)
     assert launch_memo.stats()[1] == hits
     torch.testing.assert_close(out, (alpha * x.float() + y).float(), rtol=0, atol=0)
@@ -177,7 +179,7 @@ def _rowsum(x, out):  # out[i] = sum of x's row i (x as uint8 bytes of float32 v
     _np(out)[:, 0] = _np(x).view(np.float32).sum(axis=1)
 
 
-ROWSUM = CompiledKernel(_PyKernel(_rowsum))
+ROWSUM = CompiledKernel(_PyKernel(_rowsum), 2)
 
 
 def test_views_dtype_views_offsets_and_result_views():
@@ -202,7 +204,7 @@ def _scale_rows(y, s):  # y[i, :] *= s[i], in place
     _np(y)[...] *= _np(s)[:, None]
 
 
-SCALE_ROWS = CompiledKernel(_PyKernel(_scale_rows))
+SCALE_ROWS = CompiledKernel(_PyKernel(_scale_rows), 2)
 
 
 def test_an_op_that_mutates_its_input_and_returns_none():
@@ -217,6 +219,70 @@ def test_an_op_that_mutates_its_input_and_returns_none():
     assert op(y, s) is None
     assert launch_memo.stats()[1] == hits + 1
     torch.testing.assert_close(y, expect, rtol=0, atol=0)
+
+
+def test_as_strided_from_the_storage_start_is_not_replayed():
+    def op_rebased(x, y, alpha):  # a view placed by storage offset 0, not by x's own offset
+        return _axpy_op(x.as_strided(x.shape, x.stride(), 0), y, alpha)
+
+    op = _memo(op_rebased)
+    buf = torch.randn(2, 3, 3)
+    op(buf[1], torch.randn(3, 3), 1.0)
+    hits = launch_memo.stats()[1]
+    buf, y = torch.randn(2, 3, 3), torch.randn(3, 3)
+    torch.testing.assert_close(op(buf[1], y, 1.0), buf[0] + y, rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits
+
+
+def test_an_unrecordable_result_leaves_the_call_alone():
+    def op_int_view(x, y, alpha):
+        return _axpy_op(x, y, alpha).view(torch.int32)  # a result of another dtype than its allocation
+
+    op = _memo(op_int_view)
+    hits = launch_memo.stats()[1]
+    for _ in range(2):
+        x, y = torch.randn(2, 2), torch.randn(2, 2)
+        torch.testing.assert_close(op(x, y, 1.0), (x + y).view(torch.int32), rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits
+
+
+def test_a_call_that_compiled_is_recorded_again_next_time():
+    recorded = []
+
+    def op_compiling(x, y, alpha):
+        recorded.append(launch_memo.recording() is not None)
+        if len(recorded) == 1:
+            launch_memo.recording().compiled = True  # what compiler.compile_kernel does
+        return _axpy_op(x, y, alpha)
+
+    op = _memo(op_compiling)
+    hits = launch_memo.stats()[1]
+    for _ in range(3):
+        op(torch.randn(2, 5), torch.randn(2, 5), 1.0)
+    assert recorded == [True, True]  # the first call compiled, the second recorded, the third replayed
+    assert launch_memo.stats()[1] == hits + 1
+
+
+def _raise_index_error(x, out):
+    raise IndexError("no such row")
+
+
+def test_a_kernel_error_has_the_same_type_in_a_replay():
+    fail = {"on": False}
+    kernel = CompiledKernel(_PyKernel(lambda x, out: _raise_index_error(x, out) if fail["on"] else None), 2)
+
+    def op_may_fail(x):
+        out = torch.empty(x.shape[0], x.shape[1])
+        kernel(x, out)
+        return out
+
+    op = _memo(op_may_fail)
+    op(torch.randn(2, 2))
+    fail["on"] = True
+    hits = launch_memo.stats()[1]
+    with pytest.raises(IndexError, match="no such row"):
+        op(torch.randn(2, 2))
+    assert launch_memo.stats()[1] == hits + 1
 
 
 def test_debug_mode_is_never_replayed(monkeypatch):
