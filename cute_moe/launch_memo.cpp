@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_strided.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/util/SmallVector.h>
 #include <tvm/ffi/c_api.h>
 #include <tvm/ffi/extra/c_env_api.h>
 
@@ -86,6 +87,9 @@ struct Plan {
 // (a garbage collection) that clears the memo.
 auto& g_plans = *new std::unordered_map<std::string, std::shared_ptr<const Plan>>();  // null: not replayable
 
+// The tensors among an op's arguments, by position (null for the others).
+using Inputs = c10::SmallVector<const at::Tensor*, 16>;
+
 template <typename T>
 void put(std::string& key, T v) {
   key.append(reinterpret_cast<const char*>(&v), sizeof(T));
@@ -98,7 +102,7 @@ bool is_plain_tensor(PyObject* o) {
 
 // The key: op id and every argument's type and value, a tensor by its metadata (dtype, device,
 // sizes, strides, alignment class of its address, aliasing with earlier inputs).  False: an argument the memo does not handle.
-bool make_key(int64_t op, PyObject* args, std::string& key, std::vector<const at::Tensor*>* inputs) {
+bool make_key(int64_t op, PyObject* args, std::string& key, Inputs* inputs) {
   Py_ssize_t n = PyTuple_GET_SIZE(args);
   thread_local std::vector<std::tuple<const c10::StorageImpl*, int32_t, uintptr_t>> storages;
   storages.clear();
@@ -207,8 +211,8 @@ void* current_cuda_stream(c10::DeviceIndex index) {
   return impl->getStream(c10::Device(c10::DeviceType::CUDA, index)).native_handle();
 }
 
-PyObject* replay(const Plan& p, const std::vector<const at::Tensor*>& inputs) {
-  std::vector<at::Tensor> allocs;
+PyObject* replay(const Plan& p, const Inputs& inputs) {
+  c10::SmallVector<at::Tensor, 8> allocs;
   allocs.reserve(p.allocs.size());
   for (const Alloc& a : p.allocs) {
     allocs.push_back(at::empty_strided(a.sizes, a.strides, at::TensorOptions().dtype(a.dtype).device(p.device)));
@@ -219,8 +223,8 @@ PyObject* replay(const Plan& p, const std::vector<const at::Tensor*>& inputs) {
     raise_ffi_error();
   }
   int rc = 0;
-  std::vector<DLTensor> dl;
-  std::vector<TVMFFIAny> any;
+  c10::SmallVector<DLTensor, 16> dl;  // no heap allocation per call for up to 16 arguments
+  c10::SmallVector<TVMFFIAny, 16> any;
   for (const Call& c : p.calls) {
     dl.assign(c.args.size(), DLTensor{});
     any.assign(c.args.size(), TVMFFIAny{});
@@ -283,8 +287,7 @@ PyObject* lookup(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
     return nullptr;
   }
   thread_local std::string key;
-  thread_local std::vector<const at::Tensor*> inputs;
-  inputs.clear();
+  Inputs inputs;  // not thread_local: wrapping the outputs can run Python that calls an op again
   int64_t op = PyLong_AsLongLong(argv[0]);
   if (op == -1 && PyErr_Occurred()) return nullptr;
   if (debug_mode() || !make_key(op, argv[1], key, &inputs)) {
@@ -322,7 +325,7 @@ const at::Tensor& as_tensor(PyObject* o) {
 }
 
 // A recorded kernel argument: (kind, index, view) for a tensor, else the scalar itself.
-Arg encode_arg(PyObject* o, const std::vector<const at::Tensor*>& inputs, const std::vector<at::Tensor>& allocs) {
+Arg encode_arg(PyObject* o, const Inputs& inputs, const std::vector<at::Tensor>& allocs) {
   Arg a;
   if (PyTuple_Check(o)) {
     TORCH_CHECK(PyTuple_GET_SIZE(o) == 3, "cute_moe launch memo: bad tensor argument");
@@ -330,7 +333,9 @@ Arg encode_arg(PyObject* o, const std::vector<const at::Tensor*>& inputs, const 
     a.t.kind = static_cast<SrcKind>(as_int(PyTuple_GET_ITEM(o, 0)));
     a.t.index = static_cast<int32_t>(as_int(PyTuple_GET_ITEM(o, 1)));
     const at::Tensor& view = as_tensor(PyTuple_GET_ITEM(o, 2));
-    const at::Tensor* src = a.t.kind == kInput ? inputs.at(a.t.index) : &allocs.at(a.t.index);
+    TORCH_CHECK(a.t.index >= 0 && a.t.index < static_cast<int32_t>(a.t.kind == kInput ? inputs.size() : allocs.size()),
+                "cute_moe launch memo: bad tensor argument");
+    const at::Tensor* src = a.t.kind == kInput ? inputs[a.t.index] : &allocs[a.t.index];
     TORCH_CHECK(src != nullptr, "cute_moe launch memo: tensor argument from a non-tensor input");
     a.t.byte_offset = static_cast<char*>(view.data_ptr()) - static_cast<char*>(src->data_ptr());
     DLManagedTensor* m = at::toDLPack(view);  // the shape, strides and dtype torch exports
@@ -368,7 +373,7 @@ PyObject* store(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   HANDLE_TH_ERRORS
   TORCH_CHECK(argc == 6 || argc == 2, "store(op_id, args[, allocs, calls, result_kind, results])");
   std::string key;
-  std::vector<const at::Tensor*> inputs;
+  Inputs inputs;
   if (!make_key(as_int(argv[0]), argv[1], key, &inputs)) Py_RETURN_FALSE;
   if (g_plans.size() >= kMaxPlans) g_plans.clear();
   if (argc == 2) {

@@ -21,14 +21,14 @@ and its message.  Inputs that share storage (k and v sliced from one qkv tensor)
 earlier input they share it with and at what byte distance, and a kernel argument on that storage
 is recorded as an offset from the first of them, so a replay sees the aliasing the recorded call
 saw.  Metadata whose call could not be recorded (host code beyond allocations and views) is
-remembered too, and its later calls run
-the Python path without the recorder's cost.  Arguments other than plain tensors,
+remembered too, and its later calls run the Python path without the recorder's cost.  A call
+that compiled a kernel records nothing: replays begin with the third call of given metadata.  Arguments other than plain tensors,
 ``nn.Parameter``, bool / int / float / str / None, and every call while ``CUTE_MOE_DEBUG=1``
 (its checks read data), take the Python path.  ``CUTE_MOE_LAUNCH_MEMO=0`` turns the memo off.
 The memo holds at most 4096 entries (it is emptied when full).
 
 The C side (``launch_memo.cpp``) is compiled with the system C++ compiler against the installed
-torch, Python and tvm_ffi on first use (about 30 s, cached under ``~/.cache/cute_moe``); where
+torch, Python and tvm_ffi on first use (12-24 s measured, cached under ``~/.cache/cute_moe``); where
 that fails the ops keep the Python path and a warning says why.
 """
 from __future__ import annotations
