@@ -3,6 +3,7 @@
 // without Python.  Built on first use against the installed torch and tvm_ffi.
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/library.h>
 
 #include <ATen/DLConvertor.h>
 #include <ATen/core/Tensor.h>
@@ -32,6 +33,7 @@ PyObject* g_skip = nullptr;         // and for metadata whose calls cannot be re
 PyTypeObject* g_tensor_type = nullptr;
 PyTypeObject* g_parameter_type = nullptr;
 uint64_t g_hits = 0, g_misses = 0;
+bool g_enabled = true;  // set_enabled: the dispatcher kernels replay (the Python side checks its own flag)
 
 enum SrcKind : int8_t { kInput = 0, kAlloc = 1 };
 
@@ -101,66 +103,97 @@ bool is_plain_tensor(PyObject* o) {
 }
 
 // The key: op id and every argument's type and value, a tensor by its metadata (dtype, device,
-// sizes, strides, alignment class of its address, aliasing with earlier inputs).  False: an argument the memo does not handle.
+// sizes, strides, alignment class of its address, aliasing with earlier inputs).  Built one
+// argument at a time, from Python objects (``lookup``, ``store``) or from the dispatcher's
+// IValues (``MemoKernel``): both give the same bytes for the same call.
+class KeyBuilder {
+ public:
+  KeyBuilder(std::string& key, Inputs* inputs, int64_t op, int32_t num_args) : key_(key), inputs_(inputs) {
+    key_.clear();
+    put(key_, op);
+    put(key_, num_args);
+  }
+
+  // False: a tensor the memo does not handle.
+  bool tensor(const at::Tensor& t, int32_t index, bool parameter) {
+    if (t.layout() != c10::kStrided || t.is_nested() || t.is_neg() || t.is_conj() || !t.has_storage() ||
+        t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+      return false;
+    }
+    key_.push_back(parameter ? 'P' : 'T');
+    put(key_, static_cast<int8_t>(t.scalar_type()));
+    put(key_, static_cast<int8_t>(t.device().type()));
+    put(key_, static_cast<int8_t>(t.device().index()));
+    put(key_, static_cast<int8_t>(t.dim()));
+    for (int64_t s : t.sizes()) put(key_, s);
+    for (int64_t s : t.strides()) put(key_, s);
+    auto ptr = reinterpret_cast<uintptr_t>(t.data_ptr());
+    int align = ptr == 0 ? kMaxAlignLog2 + 1 : std::min(__builtin_ctzll(ptr), kMaxAlignLog2);
+    put(key_, static_cast<int8_t>(align));
+    // Inputs sharing storage: the first such input and the byte distance to it, so that a
+    // replay sees the same aliasing the recorded call saw (kernel arguments are recorded as
+    // offsets from the first input of their storage).
+    const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    int32_t first = -1;
+    uintptr_t first_ptr = ptr;
+    for (const auto& [other_storage, other_index, other_ptr] : storages_) {
+      if (other_storage == storage) {
+        first = other_index;
+        first_ptr = other_ptr;
+        break;
+      }
+    }
+    put(key_, first);
+    put(key_, static_cast<int64_t>(ptr - first_ptr));
+    if (first < 0) storages_.emplace_back(storage, index, ptr);
+    if (inputs_) inputs_->push_back(&t);
+    return true;
+  }
+  void none() { scalar('N'); }
+  void boolean(bool v) { scalar(v ? 'y' : 'n'); }
+  void integer(int64_t v) {
+    scalar('i');
+    put(key_, v);
+  }
+  void real(double v) {
+    scalar('f');
+    put(key_, v);
+  }
+  void text(const char* s, size_t len) {
+    scalar('s');
+    put(key_, static_cast<int64_t>(len));
+    key_.append(s, len);
+  }
+
+ private:
+  void scalar(char tag) {
+    key_.push_back(tag);
+    if (inputs_) inputs_->push_back(nullptr);
+  }
+  std::string& key_;
+  Inputs* inputs_;
+  c10::SmallVector<std::tuple<const c10::StorageImpl*, int32_t, uintptr_t>, 8> storages_;
+};
+
+// The key of a call from Python.  False: an argument the memo does not handle.
 bool make_key(int64_t op, PyObject* args, std::string& key, Inputs* inputs) {
   Py_ssize_t n = PyTuple_GET_SIZE(args);
-  thread_local std::vector<std::tuple<const c10::StorageImpl*, int32_t, uintptr_t>> storages;
-  storages.clear();
-  key.clear();
-  put(key, op);
-  put(key, static_cast<int32_t>(n));
+  KeyBuilder b(key, inputs, op, static_cast<int32_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* a = PyTuple_GET_ITEM(args, i);
     if (a == Py_None) {
-      key.push_back('N');
-      if (inputs) inputs->push_back(nullptr);
+      b.none();
     } else if (is_plain_tensor(a)) {
-      const at::Tensor& t = THPVariable_Unpack(a);
-      if (t.layout() != c10::kStrided || t.is_nested() || t.is_neg() || t.is_conj() || !t.has_storage() ||
-          t.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-        return false;
-      }
-      key.push_back(Py_TYPE(a) == g_tensor_type ? 'T' : 'P');
-      put(key, static_cast<int8_t>(t.scalar_type()));
-      put(key, static_cast<int8_t>(t.device().type()));
-      put(key, static_cast<int8_t>(t.device().index()));
-      put(key, static_cast<int8_t>(t.dim()));
-      for (int64_t s : t.sizes()) put(key, s);
-      for (int64_t s : t.strides()) put(key, s);
-      auto ptr = reinterpret_cast<uintptr_t>(t.data_ptr());
-      int align = ptr == 0 ? kMaxAlignLog2 + 1 : std::min(__builtin_ctzll(ptr), kMaxAlignLog2);
-      put(key, static_cast<int8_t>(align));
-      // Inputs sharing storage: the first such input and the byte distance to it, so that a
-      // replay sees the same aliasing the recorded call saw (kernel arguments are recorded as
-      // offsets from the first input of their storage).
-      const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-      int32_t first = -1;
-      uintptr_t first_ptr = ptr;
-      for (const auto& [other_storage, other_index, other_ptr] : storages) {
-        if (other_storage == storage) {
-          first = other_index;
-          first_ptr = other_ptr;
-          break;
-        }
-      }
-      put(key, first);
-      put(key, static_cast<int64_t>(ptr - first_ptr));
-      if (first < 0) storages.emplace_back(storage, static_cast<int32_t>(i), ptr);
-      if (inputs) inputs->push_back(&t);
+      if (!b.tensor(THPVariable_Unpack(a), static_cast<int32_t>(i), Py_TYPE(a) == g_parameter_type)) return false;
     } else if (PyBool_Check(a)) {
-      key.push_back(a == Py_True ? 'y' : 'n');
-      if (inputs) inputs->push_back(nullptr);
+      b.boolean(a == Py_True);
     } else if (PyLong_CheckExact(a)) {
       int overflow = 0;
       long long v = PyLong_AsLongLongAndOverflow(a, &overflow);
       if (overflow) return false;
-      key.push_back('i');
-      put(key, static_cast<int64_t>(v));
-      if (inputs) inputs->push_back(nullptr);
+      b.integer(static_cast<int64_t>(v));
     } else if (PyFloat_CheckExact(a)) {
-      key.push_back('f');
-      put(key, PyFloat_AS_DOUBLE(a));
-      if (inputs) inputs->push_back(nullptr);
+      b.real(PyFloat_AS_DOUBLE(a));
     } else if (PyUnicode_CheckExact(a)) {
       Py_ssize_t len = 0;
       const char* s = PyUnicode_AsUTF8AndSize(a, &len);
@@ -168,10 +201,7 @@ bool make_key(int64_t op, PyObject* args, std::string& key, Inputs* inputs) {
         PyErr_Clear();
         return false;
       }
-      key.push_back('s');
-      put(key, static_cast<int64_t>(len));
-      key.append(s, len);
-      if (inputs) inputs->push_back(nullptr);
+      b.text(s, static_cast<size_t>(len));
     } else {
       return false;
     }
@@ -211,7 +241,11 @@ void* current_cuda_stream(c10::DeviceIndex index) {
   return impl->getStream(c10::Device(c10::DeviceType::CUDA, index)).native_handle();
 }
 
-PyObject* replay(const Plan& p, const Inputs& inputs) {
+using Outputs = c10::SmallVector<at::Tensor, 4>;
+
+// Runs a plan on new inputs: its allocations, then its kernel calls on torch's current stream;
+// returns the op's results (none, one, or the tuple's).
+Outputs replay(const Plan& p, const Inputs& inputs) {
   c10::SmallVector<at::Tensor, 8> allocs;
   allocs.reserve(p.allocs.size());
   for (const Alloc& a : p.allocs) {
@@ -260,16 +294,20 @@ PyObject* replay(const Plan& p, const Inputs& inputs) {
   if (cuda) TVMFFIEnvSetStream(kDLCUDA, p.device.index(), previous, nullptr);
   if (rc != 0) raise_ffi_error();
 
-  auto wrap = [&](const Result& r) -> PyObject* {
-    if (r.whole) return THPVariable_Wrap(allocs[r.alloc]);
-    return THPVariable_Wrap(allocs[r.alloc].as_strided(r.sizes, r.strides, r.storage_offset));
-  };
+  Outputs outputs;
+  for (const Result& r : p.results) {
+    outputs.push_back(r.whole ? allocs[r.alloc] : allocs[r.alloc].as_strided(r.sizes, r.strides, r.storage_offset));
+  }
+  return outputs;
+}
+
+PyObject* to_python(const Plan& p, Outputs&& outputs) {
   if (p.result_kind == 0) Py_RETURN_NONE;
-  if (p.result_kind == 1) return wrap(p.results[0]);
-  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(p.results.size()));
+  if (p.result_kind == 1) return THPVariable_Wrap(std::move(outputs[0]));
+  PyObject* tuple = PyTuple_New(static_cast<Py_ssize_t>(outputs.size()));
   if (tuple == nullptr) return nullptr;
-  for (size_t i = 0; i < p.results.size(); ++i) {
-    PyObject* o = wrap(p.results[i]);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    PyObject* o = THPVariable_Wrap(std::move(outputs[i]));
     if (o == nullptr) {
       Py_DECREF(tuple);
       return nullptr;
@@ -309,7 +347,7 @@ PyObject* lookup(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   }
   ++g_hits;
   std::shared_ptr<const Plan> plan = it->second;
-  return replay(*plan, inputs);
+  return to_python(*plan, replay(*plan, inputs));
   END_HANDLE_TH_ERRORS
 }
 
@@ -424,6 +462,115 @@ PyObject* store(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   END_HANDLE_TH_ERRORS
 }
 
+// The dispatcher's side: a kernel on the BackendSelect key of a memoized op (the key every call
+// passes just before its backend's kernel, after Python modes, subclasses and autograd), so that
+// a torch.ops call whose metadata was seen is replayed without entering Python.  Anything else --
+// a miss, metadata that cannot be replayed, an argument the key does not hold, the memo switched
+// off -- goes on to the op's own kernel for the device (for CUDA, ``launch_memo.memoized``'s
+// Python function, which records).  The key is built as ``lookup`` builds it from the Python
+// arguments that kernel receives: without the trailing arguments left at their defaults.
+struct MemoKernel final : c10::OperatorKernel {
+  int64_t op_id;
+  size_t num_returns;
+  MemoKernel(int64_t op_id, size_t num_returns) : op_id(op_id), num_returns(num_returns) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+    if (!debug_mode()) {
+      pybind11::gil_scoped_acquire gil;  // the memo is shared with Python callers
+      try {
+        if (g_enabled && replay_from_stack(op, stack)) return;
+      } catch (python_error& e) {
+        e.persist();  // the Python error travels with the exception, not in this thread's state
+        throw;
+      }
+    }
+    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect),
+                       stack);
+  }
+
+  bool replay_from_stack(const c10::OperatorHandle& op, torch::jit::Stack* stack) const {
+    const auto& schema = op.schema().arguments();
+    const size_t n = schema.size();
+    auto args = torch::jit::last(*stack, n);
+    // as torch's Python kernels get them: trailing arguments equal to their defaults left out
+    size_t count = n;
+    while (count > 0 && !args[count - 1].isTensor() && schema[count - 1].default_value().has_value() &&
+           !(*schema[count - 1].default_value() != args[count - 1])) {
+      --count;
+    }
+    thread_local std::string key;
+    Inputs inputs;
+    KeyBuilder b(key, &inputs, op_id, static_cast<int32_t>(count));
+    for (size_t i = 0; i < count; ++i) {
+      const c10::IValue& a = args[i];
+      if (a.isNone()) {
+        b.none();
+      } else if (a.isTensor()) {
+        const at::Tensor& t = a.toTensor();
+        PyObject* o = THPVariable_Wrap(t);  // the Python object the Python kernel would see
+        if (o == nullptr) throw python_error();
+        const bool plain = is_plain_tensor(o), parameter = Py_TYPE(o) == g_parameter_type;
+        Py_DECREF(o);
+        if (!plain || !b.tensor(t, static_cast<int32_t>(i), parameter)) return false;
+      } else if (a.isBool()) {
+        b.boolean(a.toBool());
+      } else if (a.isInt()) {
+        b.integer(a.toInt());
+      } else if (a.isDouble()) {
+        b.real(a.toDouble());
+      } else if (a.isString()) {
+        const std::string& s = a.toStringRef();
+        b.text(s.data(), s.size());
+      } else {
+        return false;
+      }
+    }
+    auto it = g_plans.find(key);
+    if (it == g_plans.end() || it->second == nullptr) return false;
+    std::shared_ptr<const Plan> plan = it->second;
+    if (plan->results.size() != num_returns || (num_returns == 1 && plan->result_kind != 1)) return false;
+    ++g_hits;
+    Outputs outputs = replay(*plan, inputs);
+    torch::jit::drop(*stack, n);
+    for (at::Tensor& t : outputs) stack->emplace_back(std::move(t));
+    return true;
+  }
+};
+
+// register_dispatch("ns::name", op_id): the op's torch.ops calls replay through ``MemoKernel``.
+// Only ops whose arguments the key can hold and whose results are tensors; False otherwise.
+PyObject* register_dispatch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK(argc == 2 && PyUnicode_Check(argv[0]), "register_dispatch(qualname: str, op_id: int)");
+  const std::string qualname = PyUnicode_AsUTF8(argv[0]);
+  const int64_t op_id = as_int(argv[1]);
+  const auto sep = qualname.find("::");
+  TORCH_CHECK(sep != std::string::npos, "register_dispatch: expected ns::name, got ", qualname);
+  auto handle = c10::Dispatcher::singleton().findSchema({qualname, ""});
+  TORCH_CHECK(handle.has_value(), "register_dispatch: no op ", qualname);
+  const auto& schema = handle->schema();
+  for (const auto& a : schema.arguments()) {
+    auto type = a.real_type();
+    if (auto optional = type->cast<c10::OptionalType>()) type = optional->getElementType();
+    const auto kind = type->kind();
+    if (a.kwarg_only() || (kind != c10::TypeKind::TensorType && kind != c10::TypeKind::IntType &&
+                           kind != c10::TypeKind::SymIntType && kind != c10::TypeKind::FloatType &&
+                           kind != c10::TypeKind::BoolType && kind != c10::TypeKind::StringType)) {
+      Py_RETURN_FALSE;
+    }
+  }
+  for (const auto& r : schema.returns()) {
+    if (r.real_type()->kind() != c10::TypeKind::TensorType) Py_RETURN_FALSE;
+  }
+  // Never destroyed, like the plans: the registration lasts as long as the process.
+  auto* lib = new torch::Library(torch::Library::IMPL, qualname.substr(0, sep), c10::DispatchKey::BackendSelect,
+                                 __FILE__, __LINE__);
+  lib->impl(qualname.substr(sep + 2).c_str(),
+            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<MemoKernel>(op_id, schema.returns().size())));
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyObject* init(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   if (argc != 4 || !PyType_Check(argv[2]) || !PyType_Check(argv[3])) {
     PyErr_SetString(PyExc_TypeError, "init(miss, skip, torch.Tensor, torch.nn.Parameter)");
@@ -434,6 +581,11 @@ PyObject* init(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   g_skip = argv[1];
   g_tensor_type = reinterpret_cast<PyTypeObject*>(argv[2]);
   g_parameter_type = reinterpret_cast<PyTypeObject*>(argv[3]);
+  Py_RETURN_NONE;
+}
+
+PyObject* set_enabled(PyObject*, PyObject* on) {
+  g_enabled = PyObject_IsTrue(on) == 1;
   Py_RETURN_NONE;
 }
 
@@ -452,6 +604,9 @@ PyMethodDef kMethods[] = {
     {"init", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(init)), METH_FASTCALL, nullptr},
     {"lookup", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lookup)), METH_FASTCALL, nullptr},
     {"store", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(store)), METH_FASTCALL, nullptr},
+    {"register_dispatch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(register_dispatch)), METH_FASTCALL,
+     nullptr},
+    {"set_enabled", set_enabled, METH_O, nullptr},
     {"clear", clear, METH_NOARGS, nullptr},
     {"stats", stats, METH_NOARGS, nullptr},
     {nullptr, nullptr, 0, nullptr},

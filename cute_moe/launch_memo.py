@@ -15,7 +15,10 @@ recorder that notes
 
 Later calls with equal metadata skip Python: ``lookup`` (C++) builds the key, allocates the
 outputs with the recorded sizes and strides, calls the kernels through ``TVMFFIFunctionCall``
-on torch's current stream of the tensors' device, and returns the outputs.  A call whose
+on torch's current stream of the tensors' device, and returns the outputs.  Calls through
+``torch.ops`` do not even reach Python: a C++ kernel on the op's BackendSelect dispatch key (the
+last key before the device's own kernel) builds the same key from the dispatcher's arguments and
+replays, or passes the call on to the Python implementation.  A call whose
 validation fails raises before anything is recorded, so bad input always takes the Python path
 and its message.  Inputs that share storage (k and v sliced from one qkv tensor) are keyed by which
 earlier input they share it with and at what byte distance, and a kernel argument on that storage
@@ -48,7 +51,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["MISS", "SKIP", "clear", "load_extension", "memoized", "recording", "set_enabled", "stats"]
+__all__ = ["MISS", "SKIP", "active", "clear", "load_extension", "memoized", "recording", "set_enabled", "stats"]
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_memo.cpp")
 
@@ -69,6 +72,7 @@ _tls = threading.local()  # .recorder: the _Recorder of a call being recorded on
 _ext: Any = None  # the loaded extension; False where it cannot be built or the memo is off
 _loaded: Any = None  # the loaded extension, also while the memo is switched off
 _ext_lock = threading.Lock()
+_dispatched: dict[str, int] = {}  # qualname -> op id of the ops replayed from the dispatcher too
 _ALLOCATIONS = frozenset(
     {
         torch.ops.aten.empty.memory_format,
@@ -136,7 +140,10 @@ def _extension() -> Any:
                     _ext = False
                 else:
                     try:
-                        _ext = _loaded = load_extension()
+                        ext = load_extension()
+                        for qualname, op_id in _dispatched.items():
+                            ext.register_dispatch(qualname, op_id)
+                        _ext = _loaded = ext
                     except Exception as e:  # noqa: BLE001 (any build failure keeps the Python path)
                         warnings.warn(f"cute_moe: the launch memo is off (eager calls stay in Python): {e}",
                                       stacklevel=3)  # fmt: skip
@@ -241,8 +248,16 @@ def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
     return out
 
 
-def memoized(impl: Callable[..., Any], op_id: int) -> Callable[..., Any]:
-    """``impl`` (an op's CUDA implementation) behind the memo."""
+def memoized(impl: Callable[..., Any], op_id: int, qualname: Optional[str] = None) -> Callable[..., Any]:
+    """``impl`` (an op's CUDA implementation) behind the memo.  With ``qualname`` (``"ns::name"``,
+    the op ``impl`` is registered on), calls through the dispatcher (``torch.ops.ns.name``) are
+    replayed too, by a kernel the extension registers on the op's BackendSelect key once it is
+    loaded; the function returned must then be the op's kernel for the device."""
+    if qualname is not None:
+        with _ext_lock:
+            _dispatched[qualname] = op_id
+            if _loaded:
+                _loaded.register_dispatch(qualname, op_id)
 
     def run(*args: Any) -> Any:
         ext = _ext if _ext is not None else _extension()
@@ -260,11 +275,18 @@ def memoized(impl: Callable[..., Any], op_id: int) -> Callable[..., Any]:
     return run
 
 
+def active() -> bool:
+    """Whether eager calls are memoized in this process (builds or loads the extension on first use)."""
+    return bool(_ext if _ext is not None else _extension())
+
+
 def set_enabled(on: bool) -> None:
     """Turn the memo on or off in this process (benchmarks compare the two paths)."""
     global _ext
     with _ext_lock:
         _ext = (_loaded or None) if on else False
+        if _loaded:
+            _loaded.set_enabled(on)
 
 
 def stats() -> tuple[int, int, int]:

@@ -88,13 +88,15 @@ class _Op:
 
     def register_kernel(self, device_type: str, fn: Optional[Callable[..., Any]] = None) -> Any:
         """A CUDA implementation is registered behind the launch memo (``launch_memo.py``): eager
-        calls whose argument metadata was seen before replay in C++.  The undecorated function
+        calls whose argument metadata was seen before replay in C++ (through ``torch.ops``
+        without entering Python).  The undecorated function
         is returned and stays what it was."""
 
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
             kernel = impl
             if device_type == "cuda":
-                kernel = launch_memo.memoized(impl, _OP_IDS.setdefault(self.name, len(_OP_IDS)))
+                op_id = _OP_IDS.setdefault(self.name, len(_OP_IDS))
+                kernel = launch_memo.memoized(impl, op_id, f"{_NS}::{self.name}")
             _LIB.impl(self.name, kernel, device_type.upper())
             self.kernels[device_type] = kernel
             return impl

@@ -1,5 +1,6 @@
-"""The launch memo on the GPU: replayed calls give what the Python path gives, bit for bit, on new
-data, on a side stream and inside a CUDA graph (every other GPU test runs through it as well: its
+"""The launch memo on the GPU: replayed calls (through the functional API, and through torch.ops
+without entering Python) give what the Python path gives, bit for bit, on new data, on a side
+stream and inside a CUDA graph (every other GPU test runs through it as well: its
 second call with given metadata is a replay)."""
 import pytest
 import torch
@@ -147,13 +148,19 @@ def _case_fill_kv_from_one_qkv(seed):
     [("align", _case_align), ("route", _case_route), ("silu_mul_quant", _case_silu_up_first),
      ("grouped_gemm_fp8", _case_gemm_k128), ("fill_kv_cache_fp8", _case_fill_kv_from_one_qkv)],  # fmt: skip
 )
-def test_each_op_replays_bit_for_bit(name, case):
+@pytest.mark.parametrize("path", ["functional", "torch.ops"])
+def test_each_op_replays_bit_for_bit(name, case, path, monkeypatch):
+    op = (lambda *a: ops.call(name, *a)) if path == "functional" else getattr(torch.ops.cute_moe, name)
     for seed in (0, 2):  # compiles, then records
-        ops.call(name, *case(seed))
+        op(*case(seed))
     args = case(1)
     hits = launch_memo.stats()[1]
-    got = ops.call(name, *args)
+    python_calls = []  # the memo's Python function asks this on every call it gets
+    monkeypatch.setattr(launch_memo, "recording", lambda: python_calls.append(1))
+    got = op(*args)
+    monkeypatch.undo()
     assert launch_memo.stats()[1] == hits + 1, "not replayed"
+    assert len(python_calls) == (1 if path == "functional" else 0), "torch.ops replay entered Python"
     twin = case(1)  # the same inputs again, for the Python path
     want = _python_path(name, *twin)
     torch.cuda.synchronize()

@@ -267,7 +267,8 @@ def _raise_index_error(x, out):
     raise IndexError("no such row")
 
 
-def test_a_kernel_error_has_the_same_type_in_a_replay():
+def _op_failing_on_demand():
+    """An op whose kernel raises IndexError once ``fail["on"]`` is set, and that switch."""
     fail = {"on": False}
     kernel = CompiledKernel(_PyKernel(lambda x, out: _raise_index_error(x, out) if fail["on"] else None), 2)
 
@@ -276,6 +277,11 @@ def test_a_kernel_error_has_the_same_type_in_a_replay():
         kernel(x, out)
         return out
 
+    return op_may_fail, fail
+
+
+def test_a_kernel_error_has_the_same_type_in_a_replay():
+    op_may_fail, fail = _op_failing_on_demand()
     op = _memo(op_may_fail)
     op(torch.randn(2, 2))
     fail["on"] = True
@@ -308,10 +314,100 @@ def test_unhandled_arguments_take_the_python_path():
     assert len(calls) == 2
 
 
-def test_the_ops_cuda_implementations_are_memoized():
+def test_the_ops_cuda_implementations_are_memoized_and_replayed_from_the_dispatcher():
     from cute_moe import ops
 
+    assert launch_memo.active()  # loaded: the dispatcher kernels are registered
     for name, op in ops._OPS.items():
         cuda = op.kernels.get("cuda")
         if cuda is not None:
             assert cuda.__wrapped__.__name__.endswith("_cuda"), name
+            assert "BackendSelect: registered" in torch._C._dispatch_dump(f"cute_moe::{name}"), name
+
+
+# Calls through the dispatcher (torch.ops): a kernel on the op's BackendSelect key replays them
+# without entering Python.  Each op here counts the calls that reach its Python kernel.
+_TEST_LIB = torch.library.Library("cute_moe_memo_test", "DEF")
+
+
+def _dispatched_op(name, schema, impl):
+    calls = []
+    _TEST_LIB.define(name + schema)
+    memo = launch_memo.memoized(impl, next(_ids), f"cute_moe_memo_test::{name}")
+
+    def kernel(*args):
+        calls.append(args)
+        return memo(*args)
+
+    _TEST_LIB.impl(name, kernel, "CPU")
+    return getattr(torch.ops.cute_moe_memo_test, name), calls
+
+
+def test_dispatcher_calls_replay_without_python_with_trailing_defaults_as_python_sees_them():
+    def axpy(x, y, alpha=1.0):
+        return _axpy_op(x, y, alpha)
+
+    op, calls = _dispatched_op("axpy", "(Tensor x, Tensor y, float alpha=1.0) -> Tensor", axpy)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(op(x, y), x + y, rtol=0, atol=0)  # records (the Python kernel)
+    assert len(calls) == 1 and len(calls[0]) == 2  # torch leaves the default out
+    hits = launch_memo.stats()[1]
+    for alpha in (None, 1.0):  # alpha left at its default either way: one key
+        x, y = torch.randn(3, 4), torch.randn(3, 4)
+        out = op(x, y) if alpha is None else op(x, y, alpha)
+        torch.testing.assert_close(out, x + y, rtol=0, atol=0)
+    assert len(calls) == 1 and launch_memo.stats()[1] == hits + 2
+    out = op(x, y, 2.5)  # another key: recorded through Python, then replayed
+    out = op(x, y, 2.5)
+    torch.testing.assert_close(out, 2.5 * x + y, rtol=0, atol=0)
+    assert len(calls) == 2 and launch_memo.stats()[1] == hits + 3
+    w = torch.nn.Parameter(torch.randn(3, 4), requires_grad=False)  # a Parameter is keyed apart
+    with torch.no_grad():
+        torch.testing.assert_close(op(w, y), w + y, rtol=0, atol=0)
+        torch.testing.assert_close(op(w, y), w + y, rtol=0, atol=0)
+    assert len(calls) == 3 and launch_memo.stats()[1] == hits + 4
+    with pytest.raises(ValueError, match="x and y must be 2-D of one shape"):  # bad input: Python's error
+        op(torch.randn(3, 4), torch.randn(4, 3))
+    assert len(calls) == 4
+
+
+def test_dispatcher_replays_tuples_and_in_place_ops_and_stops_when_switched_off():
+    def op_views(x):
+        col = torch.empty(1, x.shape[0] - 1, dtype=torch.float32)
+        ROWSUM(x[1:].view(torch.uint8), col.t())
+        return col.t(), col
+
+    def op_inplace(y, s):
+        SCALE_ROWS(y, s)
+
+    views, view_calls = _dispatched_op("rowsum_views", "(Tensor x) -> (Tensor, Tensor)", op_views)
+    scale, scale_calls = _dispatched_op("scale_rows", "(Tensor(a!) y, Tensor s) -> ()", op_inplace)
+    views(torch.randn(6, 4))
+    scale(torch.randn(3, 5), torch.randn(3))
+    x = torch.randn(6, 4)
+    colt, col = views(x)
+    assert colt.shape == (5, 1) and col.shape == (1, 5) and colt.data_ptr() == col.data_ptr()
+    torch.testing.assert_close(colt[:, 0], x[1:].sum(1), rtol=1e-6, atol=1e-6)
+    y, s = torch.randn(3, 5), torch.randn(3)
+    expect = y * s[:, None]
+    assert scale(y, s) is None
+    torch.testing.assert_close(y, expect, rtol=0, atol=0)
+    assert len(view_calls) == 1 and len(scale_calls) == 1
+    launch_memo.set_enabled(False)
+    try:
+        views(x)
+        assert len(view_calls) == 2
+    finally:
+        launch_memo.set_enabled(True)
+    views(x)
+    assert len(view_calls) == 2
+
+
+def test_dispatcher_replay_keeps_a_kernel_errors_type():
+    op_may_fail, fail = _op_failing_on_demand()
+    op, calls = _dispatched_op("may_fail", "(Tensor x) -> Tensor", op_may_fail)
+    op(torch.randn(2, 2))
+    fail["on"] = True
+    with pytest.raises(IndexError, match="no such row"):
+        op(torch.randn(2, 2))
+    assert len(calls) == 1
