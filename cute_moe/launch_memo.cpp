@@ -465,27 +465,32 @@ PyObject* store(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
 // The dispatcher's side: a kernel on the BackendSelect key of a memoized op (the key every call
 // passes just before its backend's kernel, after Python modes, subclasses and autograd), so that
 // a torch.ops call whose metadata was seen is replayed without entering Python.  Anything else --
-// a miss, metadata that cannot be replayed, an argument the key does not hold, the memo switched
-// off -- goes on to the op's own kernel for the device (for CUDA, ``launch_memo.memoized``'s
-// Python function, which records).  The key is built as ``lookup`` builds it from the Python
-// arguments that kernel receives: without the trailing arguments left at their defaults.
+// a miss, metadata that cannot be replayed, an argument the key does not hold, a call bound for
+// another backend than the memoized kernel's (e.g. Meta), the memo switched off -- goes on to the
+// op's kernel for that backend (for the memoized one, ``launch_memo.memoized``'s Python function,
+// which records).  The key is built as ``lookup`` builds it from the Python arguments that kernel
+// receives: without the trailing arguments left at their defaults.  A kernel registered on the
+// backend later by someone else is not seen by replays of metadata recorded before (as with
+// ``ops.call``).
 struct MemoKernel final : c10::OperatorKernel {
   int64_t op_id;
   size_t num_returns;
-  MemoKernel(int64_t op_id, size_t num_returns) : op_id(op_id), num_returns(num_returns) {}
+  c10::DispatchKey backend;  // the key of the memoized kernel (CUDA for the ops)
+  MemoKernel(int64_t op_id, size_t num_returns, c10::DispatchKey backend)
+      : op_id(op_id), num_returns(num_returns), backend(backend) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-    if (!debug_mode()) {
+    const auto next = keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+    if (next.highestPriorityTypeId() == backend) {
       pybind11::gil_scoped_acquire gil;  // the memo is shared with Python callers
       try {
-        if (g_enabled && replay_from_stack(op, stack)) return;
+        if (g_enabled && !debug_mode() && replay_from_stack(op, stack)) return;
       } catch (python_error& e) {
         e.persist();  // the Python error travels with the exception, not in this thread's state
         throw;
       }
     }
-    op.redispatchBoxed(keys & c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect),
-                       stack);
+    op.redispatchBoxed(next, stack);
   }
 
   bool replay_from_stack(const c10::OperatorHandle& op, torch::jit::Stack* stack) const {
@@ -537,13 +542,17 @@ struct MemoKernel final : c10::OperatorKernel {
   }
 };
 
-// register_dispatch("ns::name", op_id): the op's torch.ops calls replay through ``MemoKernel``.
-// Only ops whose arguments the key can hold and whose results are tensors; False otherwise.
+// register_dispatch("ns::name", op_id, "CUDA"): the op's torch.ops calls bound for that backend's
+// kernel (the memoized one) replay through ``MemoKernel``; a second registration of a name
+// replaces the first.  Only ops whose arguments the key can hold and whose results are tensors;
+// False otherwise.
 PyObject* register_dispatch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   HANDLE_TH_ERRORS
-  TORCH_CHECK(argc == 2 && PyUnicode_Check(argv[0]), "register_dispatch(qualname: str, op_id: int)");
+  TORCH_CHECK(argc == 3 && PyUnicode_Check(argv[0]) && PyUnicode_Check(argv[2]),
+              "register_dispatch(qualname: str, op_id: int, dispatch_key: str)");
   const std::string qualname = PyUnicode_AsUTF8(argv[0]);
   const int64_t op_id = as_int(argv[1]);
+  const c10::DispatchKey backend = c10::parseDispatchKey(PyUnicode_AsUTF8(argv[2]));
   const auto sep = qualname.find("::");
   TORCH_CHECK(sep != std::string::npos, "register_dispatch: expected ns::name, got ", qualname);
   auto handle = c10::Dispatcher::singleton().findSchema({qualname, ""});
@@ -562,11 +571,14 @@ PyObject* register_dispatch(PyObject*, PyObject* const* argv, Py_ssize_t argc) {
   for (const auto& r : schema.returns()) {
     if (r.real_type()->kind() != c10::TypeKind::TensorType) Py_RETURN_FALSE;
   }
-  // Never destroyed, like the plans: the registration lasts as long as the process.
-  auto* lib = new torch::Library(torch::Library::IMPL, qualname.substr(0, sep), c10::DispatchKey::BackendSelect,
-                                 __FILE__, __LINE__);
-  lib->impl(qualname.substr(sep + 2).c_str(),
-            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<MemoKernel>(op_id, schema.returns().size())));
+  // Never destroyed at exit, like the plans; replaced when the name is registered again.
+  static auto& libraries = *new std::unordered_map<std::string, std::unique_ptr<torch::Library>>();
+  auto& lib = libraries[qualname];
+  lib.reset();  // the previous registration first: a key holds one kernel per library
+  lib = std::make_unique<torch::Library>(torch::Library::IMPL, qualname.substr(0, sep),
+                                         c10::DispatchKey::BackendSelect, __FILE__, __LINE__);
+  lib->impl(qualname.substr(sep + 2).c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<MemoKernel>(
+                                                  op_id, schema.returns().size(), backend)));
   Py_RETURN_TRUE;
   END_HANDLE_TH_ERRORS
 }

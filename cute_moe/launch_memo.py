@@ -72,7 +72,7 @@ _tls = threading.local()  # .recorder: the _Recorder of a call being recorded on
 _ext: Any = None  # the loaded extension; False where it cannot be built or the memo is off
 _loaded: Any = None  # the loaded extension, also while the memo is switched off
 _ext_lock = threading.Lock()
-_dispatched: dict[str, int] = {}  # qualname -> op id of the ops replayed from the dispatcher too
+_dispatched: dict[str, tuple[int, str]] = {}  # qualname -> (op id, dispatch key): replayed from the dispatcher too
 _ALLOCATIONS = frozenset(
     {
         torch.ops.aten.empty.memory_format,
@@ -141,14 +141,22 @@ def _extension() -> Any:
                 else:
                     try:
                         ext = load_extension()
-                        for qualname, op_id in _dispatched.items():
-                            ext.register_dispatch(qualname, op_id)
-                        _ext = _loaded = ext
                     except Exception as e:  # noqa: BLE001 (any build failure keeps the Python path)
                         warnings.warn(f"cute_moe: the launch memo is off (eager calls stay in Python): {e}",
                                       stacklevel=3)  # fmt: skip
                         _ext = False
+                    else:
+                        for qualname, (op_id, key) in _dispatched.items():
+                            _register_dispatch(ext, qualname, op_id, key)
+                        _ext = _loaded = ext
     return _ext
+
+
+def _register_dispatch(ext: Any, qualname: str, op_id: int, dispatch_key: str) -> None:
+    try:
+        ext.register_dispatch(qualname, op_id, dispatch_key)
+    except Exception as e:  # noqa: BLE001 (that op's torch.ops calls keep the Python lookup)
+        warnings.warn(f"cute_moe: torch.ops calls of {qualname} are replayed through Python: {e}", stacklevel=4)
 
 
 class _Recorder(TorchDispatchMode):
@@ -248,16 +256,19 @@ def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
     return out
 
 
-def memoized(impl: Callable[..., Any], op_id: int, qualname: Optional[str] = None) -> Callable[..., Any]:
-    """``impl`` (an op's CUDA implementation) behind the memo.  With ``qualname`` (``"ns::name"``,
-    the op ``impl`` is registered on), calls through the dispatcher (``torch.ops.ns.name``) are
-    replayed too, by a kernel the extension registers on the op's BackendSelect key once it is
-    loaded; the function returned must then be the op's kernel for the device."""
+def memoized(impl: Callable[..., Any], op_id: int, qualname: Optional[str] = None,
+             dispatch_key: str = "CUDA") -> Callable[..., Any]:  # fmt: skip
+    """``impl`` (an op's CUDA implementation) behind the memo; ``op_id`` must be new for each
+    ``impl`` (plans are keyed by it).  With ``qualname`` (``"ns::name"``, the op defined already),
+    calls through the dispatcher (``torch.ops.ns.name``) bound for ``dispatch_key`` are replayed
+    too, by a kernel the extension registers on the op's BackendSelect key once it is loaded; the
+    function returned must then be the op's kernel for that key.  That registration lasts as long
+    as the process (a later ``memoized`` of the same name replaces it)."""
     if qualname is not None:
         with _ext_lock:
-            _dispatched[qualname] = op_id
+            _dispatched[qualname] = (op_id, dispatch_key)
             if _loaded:
-                _loaded.register_dispatch(qualname, op_id)
+                _register_dispatch(_loaded, qualname, op_id, dispatch_key)
 
     def run(*args: Any) -> Any:
         ext = _ext if _ext is not None else _extension()

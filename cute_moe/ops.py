@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -95,8 +96,7 @@ class _Op:
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
             kernel = impl
             if device_type == "cuda":
-                op_id = _OP_IDS.setdefault(self.name, len(_OP_IDS))
-                kernel = launch_memo.memoized(impl, op_id, f"{_NS}::{self.name}")
+                kernel = launch_memo.memoized(impl, next(_OP_IDS), f"{_NS}::{self.name}")
             _LIB.impl(self.name, kernel, device_type.upper())
             self.kernels[device_type] = kernel
             return impl
@@ -140,7 +140,7 @@ def call(name: str, *args: Any) -> Any:
 
 
 _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined
-_OP_IDS: dict[str, int] = {}  # name -> the launch memo's op id
+_OP_IDS = itertools.count()  # the launch memo's op ids: one per registered implementation
 
 
 @functools.cache

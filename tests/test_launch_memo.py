@@ -333,7 +333,7 @@ _TEST_LIB = torch.library.Library("cute_moe_memo_test", "DEF")
 def _dispatched_op(name, schema, impl):
     calls = []
     _TEST_LIB.define(name + schema)
-    memo = launch_memo.memoized(impl, next(_ids), f"cute_moe_memo_test::{name}")
+    memo = launch_memo.memoized(impl, next(_ids), f"cute_moe_memo_test::{name}", "CPU")
 
     def kernel(*args):
         calls.append(args)
@@ -411,3 +411,39 @@ def test_dispatcher_replay_keeps_a_kernel_errors_type():
     with pytest.raises(IndexError, match="no such row"):
         op(torch.randn(2, 2))
     assert len(calls) == 1
+
+
+def test_dispatcher_replays_only_calls_bound_for_the_memoized_backend():
+    def scaled(x, alpha=1.0):  # alpha * x + x
+        return _axpy_op(x, x, alpha)
+
+    op, calls = _dispatched_op("scaled", "(Tensor x, float alpha=1.0) -> Tensor", scaled)
+    _TEST_LIB.impl("scaled", lambda x, alpha=1.0: torch.empty_like(x), "Meta")
+    x = torch.randn(2, 3)
+    op(x, 3.0)
+    op(x, 3.0)  # replayed from here on
+    assert len(calls) == 1
+    out = op(torch.empty(2, 3, device="meta"), 3.0)  # the Meta kernel, not a CPU replay
+    assert out.device.type == "meta" and len(calls) == 1
+
+
+def test_dispatcher_registration_of_a_name_again_replaces_the_first():
+    def double(x):
+        return _axpy_op(x, x, 1.0)
+
+    op, calls = _dispatched_op("double", "(Tensor x) -> Tensor", double)
+    x = torch.randn(3, 3)
+    torch.testing.assert_close(op(x), 2 * x, rtol=0, atol=0)
+    hits = launch_memo.stats()[1]
+
+    def triple(x):
+        return _axpy_op(x, x, 2.0)
+
+    again = torch.library.Library("cute_moe_memo_test", "IMPL")
+    memo = launch_memo.memoized(triple, next(_ids), "cute_moe_memo_test::double", "CPU")
+    with pytest.warns(UserWarning, match="Overriding a previously registered kernel"):
+        again.impl("double", memo, "CPU")
+    for _ in range(3):  # records under the new id, then replays: never the first plan
+        torch.testing.assert_close(op(x), 3 * x, rtol=0, atol=0)
+    assert launch_memo.stats()[1] == hits + 2
+    assert torch._C._dispatch_dump("cute_moe_memo_test::double").count("BackendSelect: registered") == 1
