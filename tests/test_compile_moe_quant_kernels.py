@@ -84,6 +84,8 @@ def test_permute_quant_sass(arch):
         "permute_quant[bfloat16, scale_fmt=ue8m0]",
         *(f"permute_quant[bfloat16, token-major, k={k}, scale_fmt={f}]" for k, f in TOKEN_MAJOR),
         NO_ZEROING,
+        TOKEN_SCALES,
+        "permute_quant scale scatter",
         "permute[float8_e4m3fn]",
     ]
     for fmt in ("none", "ue8m0"):
@@ -102,6 +104,7 @@ def test_permute_quant_sass(arch):
 
 
 NO_ZEROING = "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]"
+TOKEN_SCALES = NO_ZEROING[:-1] + ", token scales]"
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -114,6 +117,20 @@ def test_permute_quant_token_major_without_zeroing_sass(arch):
     assert ops.count("LDG.E") == 2, "expert_offsets[-1] and token_to_row only"
     assert ops.count("STG.E") == 1 and "STG.E.64" not in ops and "STG.E.128" not in ops
     assert "VOTE" not in counts
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_permute_quant_token_scales_sass(arch):
+    """Scales in two launches: the gathering CTAs store one scale per token and group (one STG, by
+    one lane, no per-destination stores); the scatter kernel loads each scale once and stores it
+    once, no shared memory."""
+    kernels = {k["variant"]: k for k in _report("cute_moe.kernels.permute_quant", arch)}
+    ops = kernels[TOKEN_SCALES]["opcodes"]
+    assert _count(ops, "UBLKCP") == 1 and ops.count("STG.E") == 1
+    scatter = kernels["permute_quant scale scatter"]
+    counts = scatter["sass_counts"]
+    assert counts.get("LDG", 0) >= 1 and counts.get("STG", 0) >= 1 and "LDS" not in counts and "STS" not in counts
+    assert 0 < scatter["registers"] <= 64
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,9 +18,11 @@ import torch
 
 from cute_moe.compiler import arch_of_device
 from cute_moe.kernels.permute_quant import (
+    TOKEN_SCALES_MIN_TOKENS,
     compile_permute,
     compile_permute_quant,
     compile_permute_quant_tokens,
+    compile_scale_scatter,
     permute_cuda,
     permute_quant_cuda,
 )
@@ -41,7 +43,7 @@ from .moe_cases import (
 
 pytestmark = pytest.mark.gpu
 
-TOKENS = [1, 7, 128, 4096]
+TOKENS = [1, 7, 128, 4096]  # 4096: scales in two launches (TOKEN_SCALES_MIN_TOKENS)
 HIDDEN = [2048, 7168]
 WAYS = ["row-major", "token-major"]
 
@@ -95,6 +97,10 @@ def test_permute_quant(routing, num_tokens, hidden, scale_fmt, way):
     _check_quant(way, x, row_to_token, offsets, scale_fmt, token_to_row)
 
 
+def test_tokens_cover_both_scale_paths():
+    assert min(TOKENS) < TOKEN_SCALES_MIN_TOKENS <= max(TOKENS)
+
+
 def test_maps_match_moe_cases():
     """_maps is routed_maps plus token_to_row: the row-major cases are the ones they always were."""
     offsets, row_to_token, _ = _maps("skewed", 300, seed=3)
@@ -138,7 +144,7 @@ def test_permute_quant_rows_past_end_untouched(way, scale_fmt):
     ue8m0, arch = scale_fmt == "ue8m0", arch_of_device(x.device)
     if way == "token-major":
         compile_permute_quant_tokens(torch.bfloat16, ue8m0, token_to_row.shape[1], arch)(
-            x, token_to_row, row_to_token, offsets, a, s
+            x, token_to_row, row_to_token, offsets, a, s, s
         )
     else:
         compile_permute_quant(torch.bfloat16, ue8m0, arch)(x, row_to_token, offsets, a, s)
@@ -157,7 +163,11 @@ def test_permute_quant_token_major_without_zeroing(routing, num_tokens):
     x = random_activations(num_tokens, 2048, torch.bfloat16, seed=31 + num_tokens)
     a, s = poisoned_outputs(row_to_token.shape[0], 2048)
     compile_permute_quant_tokens(torch.bfloat16, False, token_to_row.shape[1], arch_of_device(x.device), False,
-                                 False)(x, token_to_row, row_to_token, offsets, a, s)  # fmt: skip
+                                 False)(x, token_to_row, row_to_token, offsets, a, s, s)  # fmt: skip
+    _assert_routed_rows_only(x, a, s, row_to_token, offsets)
+
+
+def _assert_routed_rows_only(x, a, s, row_to_token, offsets):
     a = a.view(torch.float8_e4m3fn)
     end = _end(offsets)
     routed = (row_to_token[:end] >= 0).nonzero().flatten()
@@ -169,6 +179,30 @@ def test_permute_quant_token_major_without_zeroing(routing, num_tokens):
     assert bool((a[pad].view(torch.uint8) == 0xFF).all()) and bool(s[pad].isnan().all())
     if end < a.shape[0]:  # T=1 over 8 experts fills M_cap = 8 + 8 * 127 exactly
         assert_past_end_untouched(a, s, end)
+
+
+@pytest.mark.parametrize("zero_padding", [True, False])
+@pytest.mark.parametrize("routing", ["ragged", "ep_shard"])
+def test_permute_quant_token_scales_in_two_launches(routing, zero_padding):
+    """The path of large T (from TOKEN_SCALES_MIN_TOKENS on), forced at T=128: scales once per token
+    into token_scale, then ScaleScatterKernel to the rows.  Same outputs as the one-launch kernel;
+    padding rows zeroed or never written, rows past the end untouched."""
+    offsets, row_to_token, token_to_row = _maps(routing, 128, seed=41)
+    x = random_activations(128, 7168, torch.bfloat16, seed=41)
+    a, s = poisoned_outputs(row_to_token.shape[0], 7168)
+    token_scale = torch.full((128, 7168 // 128), float("nan"), device="cuda")
+    arch = arch_of_device(x.device)
+    compile_permute_quant_tokens(torch.bfloat16, False, token_to_row.shape[1], arch, False, zero_padding, True)(
+        x, token_to_row, row_to_token, offsets, a, s, token_scale
+    )
+    compile_scale_scatter(arch)(token_scale, row_to_token, offsets, s)
+    if not zero_padding:
+        _assert_routed_rows_only(x, a, s, row_to_token, offsets)
+        return
+    a = a.view(torch.float8_e4m3fn)
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, None), _end(offsets), exact_codes=True)
+    _assert_padding_zero(a, s, row_to_token, offsets, None)
+    assert_past_end_untouched(a, s, _end(offsets))
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -53,7 +53,10 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
   token_to_row entries (lane ``l`` loads entry
   ``l``, and ``l + 16`` when k > 16) before any math; quantizes; writes its 8 codes
   to the CTA's shared-memory copy of the slab (2 KB per token) and the group's
-  scale to the rows of its entries.  After a proxy fence and one barrier, thread
+  scale to the rows of its entries (from ``TOKEN_SCALES_MIN_TOKENS`` tokens on:
+  once, to the token's row of a ``[T, H / 128]`` scratch, which a second launch,
+  ``ScaleScatterKernel``, moves to the rows with coalesced stores; the ``k``
+  scattered 4-byte stores per token and group cost 30% at T=16384).  After a proxy fence and one barrier, thread
   ``j < k`` copies each token's slab to destination ``j`` with one bulk copy
   (``cp.async.bulk`` shared -> global, up to 2 KB contiguous, no tensor map), and waits
   for the copies to have read shared memory before the CTA exits.  A destination
@@ -101,6 +104,10 @@ from .moe_rows import GROUP, RowGroupKernel, checked_outputs, load_16b_async, ro
 from .reduce_common import opaque_zero
 
 QUANT_DTYPES = (torch.bfloat16, torch.float16)
+# From this many tokens on, the token-major permute_quant writes its scales in two launches
+# (token-major, then ScaleScatterKernel); below, the k scattered stores per token cost less than
+# a second launch.
+TOKEN_SCALES_MIN_TOKENS = 2048
 
 
 class _RowGather(RowGroupKernel):
@@ -224,11 +231,14 @@ class TokenPermuteQuantKernel:
     pad_groups = 8  # group columns per zeroing CTA: 1024 codes per row, two 16-byte stores per lane
     max_k = 32
 
-    def __init__(self, dtype, ue8m0: bool, k: int, zero_padding: bool = True):
+    def __init__(self, dtype, ue8m0: bool, k: int, zero_padding: bool = True, token_scales: bool = False):
         self.dtype = dtype
         self.ue8m0 = ue8m0
         self.k = k
         self.zero_padding_ctas = zero_padding
+        # token_scales: a token's scales go once to its row of token_scale [T, H / 128] (contiguous),
+        # and ScaleScatterKernel moves them to the k rows; else to each of the k rows from here.
+        self.token_scales = token_scales
         self.lanes = lanes_per_group(dtype.width // 8, GROUP)
         self.elems_per_lane = GROUP // self.lanes
         self.slab_groups = self.num_threads // self.lanes  # group columns per gathering CTA
@@ -256,26 +266,27 @@ class TokenPermuteQuantKernel:
         return cute.ceil_div(groups, self.slab_groups) * num_tokens, zero
 
     @cute.jit
-    def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, stream):
+    def __call__(self, mX, mT2R, mR2T, mOff, mQ, mS, mTS, stream):
+        """``mTS``: the token-major scales with ``token_scales``, else not read."""
         mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
         gather, zero = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
-        self.kernel(mX, mT2R, mR2T, mOff, mQ, mS).launch(
+        self.kernel(mX, mT2R, mR2T, mOff, mQ, mS, mTS).launch(
             grid=[gather + zero, 1, 1], block=[self.num_threads, 1, 1], stream=stream
         )
 
     @cute.kernel
-    def kernel(self, mX, mT2R, mR2T, mOff, mQ, mS):
+    def kernel(self, mX, mT2R, mR2T, mOff, mQ, mS, mTS):
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         gather, _ = self.ctas(mX.shape[0], mQ.shape[1], mQ.shape[0])
         end = rows_end(mOff, mQ.shape[0])
         if bid < gather:
-            self.gather(mX, mT2R, mQ, mS, bid, end, tidx)
+            self.gather(mX, mT2R, mQ, mS, mTS, bid, end, tidx)
         elif cutlass.const_expr(self.zero_padding_ctas):
             self.zero_padding(mR2T, mQ, mS, bid - gather, end, mX.shape[0], tidx)
 
     @cute.jit
-    def gather(self, mX, mT2R, mQ, mS, bid, end, tidx):
+    def gather(self, mX, mT2R, mQ, mS, mTS, bid, end, tidx):
         """Quantize one slab of 16 group columns of one token into shared memory, then copy the slab
         to the token's k rows with bulk copies (one per destination row).  One token per CTA: more
         measured alike at T=16384 (memory-bound) and slower at T=1 (bench/NOTES.md)."""
@@ -310,11 +321,15 @@ class TokenPermuteQuantKernel:
         rQ = cute.make_rmem_tensor((self.elems_per_lane,), cutlass.Float8E4M3FN)
         scale = quantize_group_fp8(rX, rQ, self.lanes, self.ue8m0)
         cute.autovec_copy(cute.recast_tensor(rQ, Int32), cute.local_tile(sQ, (self.elems_per_lane // 4,), (tidx,)))
-        # A destination row is written when it lies in [0, end) (-1: expert not local), as an
-        # unsigned compare.
-        for m in cutlass.range_constexpr(self.entries_per_lane):
-            ok = Uint32(entries[m]) < Uint32(end) and lane + m * self.lanes < self.k and active
-            store_if(ok, s_base + Int64(entries[m]) * 4, scale.bitcast(Int32))
+        if cutlass.const_expr(self.token_scales):
+            if lane == 0 and active:
+                mTS[tok, group] = scale
+        else:
+            # A destination row is written when it lies in [0, end) (-1: expert not local), as an
+            # unsigned compare.
+            for m in cutlass.range_constexpr(self.entries_per_lane):
+                ok = Uint32(entries[m]) < Uint32(end) and lane + m * self.lanes < self.k and active
+                store_if(ok, s_base + Int64(entries[m]) * 4, scale.bitcast(Int32))
         # The codes written by st.shared must be visible to the bulk copies (the async proxy).
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.sync_threads()
@@ -369,6 +384,35 @@ class TokenPermuteQuantKernel:
         rZ.fill(0.0)
         rQ = cute.make_rmem_tensor((1,), cutlass.Float8E4M3FN)
         return quantize_group_fp8(rZ, rQ, 1, self.ue8m0)
+
+
+class ScaleScatterKernel:
+    """The token-major ``permute_quant``'s second launch at large T: ``a_scale[r, g] =
+    token_scale[row_to_token[r], g]`` for every routed row ``r < end`` (padding rows and rows past
+    ``end`` untouched), one thread per row.  The MN-major stores of a group column are coalesced
+    along the rows; each thread reads its token's scales, a contiguous row of ``token_scale``,
+    from L2.  Written from the gathering CTAs instead, the same scales are ``k`` scattered 4-byte
+    stores per token and group, which cost the one-launch kernel 30% at T=16384 (bench/NOTES.md,
+    session 13)."""
+
+    num_threads = 256
+
+    @cute.jit
+    def __call__(self, mTS, mR2T, mOff, mS, stream):
+        self.kernel(mTS, mR2T, mOff, mS).launch(
+            grid=[cute.ceil_div(mS.shape[0], self.num_threads), 1, 1], block=[self.num_threads, 1, 1], stream=stream
+        )
+
+    @cute.kernel
+    def kernel(self, mTS, mR2T, mOff, mS):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        row = bid * self.num_threads + tidx
+        if row < rows_end(mOff, mS.shape[0]):
+            tok = mR2T[row]
+            if tok >= 0 and tok < mTS.shape[0]:  # -1 and ids outside [0, T): padding
+                for g in cutlass.range(mS.shape[1], unroll=4):
+                    mS[row, g] = mTS[tok, g]
 
 
 class PermuteKernel(_RowGather):
@@ -437,17 +481,32 @@ def compile_permute_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin
     return compile_kernel(PermuteQuantKernel(cdtype, ue8m0), mX, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
 
 
+def _fake_token_scales(num_tokens):
+    """token_scale [T, H / 128] f32, row-major as the launch function allocates it."""
+    return fake_tensor(Float32, (num_tokens, cute.sym_int()), (cute.sym_int64(), 1), align=4)
+
+
 @cached_compile
 def compile_permute_quant_tokens(dtype: torch.dtype, ue8m0: bool, k: int, arch: str, keep_cubin: bool = False,
-                                 zero_padding: bool = True):  # fmt: skip
+                                 zero_padding: bool = True, token_scales: bool = False):  # fmt: skip
     """Compile the token-major kernel for every T, H, M_cap and E (MN-major scales: row stride 1);
-    the key adds k and whether padding rows are zeroed."""
+    the key adds k, whether padding rows are zeroed and where the scales go."""
     cdtype = torch_to_cutlass_dtype(dtype)
     num_tokens = cute.sym_int()
     mX, mR2T, mOff, mQ, mS = _fake_rows_io(cdtype, num_tokens, cute.sym_int(), cute.sym_int(), True)
     mT2R = fake_tensor(cutlass.Int32, (num_tokens, k), (cute.sym_int64(), cute.sym_int64()), align=4)
-    kernel = TokenPermuteQuantKernel(cdtype, ue8m0, k, zero_padding)
-    return compile_kernel(kernel, mX, mT2R, mR2T, mOff, mQ, mS, arch=arch, keep_cubin=keep_cubin)
+    # without token_scales the launch passes a_scale again in its place (never read)
+    mTS = _fake_token_scales(num_tokens) if token_scales else mS
+    kernel = TokenPermuteQuantKernel(cdtype, ue8m0, k, zero_padding, token_scales)
+    return compile_kernel(kernel, mX, mT2R, mR2T, mOff, mQ, mS, mTS, arch=arch, keep_cubin=keep_cubin)
+
+
+@cached_compile
+def compile_scale_scatter(arch: str, keep_cubin: bool = False):
+    """Compile ``ScaleScatterKernel`` for every T, H / 128, M_cap and E."""
+    _, mR2T, mOff, _, mS = _fake_rows_io(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int(), True)
+    mTS = _fake_token_scales(cute.sym_int())
+    return compile_kernel(ScaleScatterKernel(), mTS, mR2T, mOff, mS, arch=arch, keep_cubin=keep_cubin)
 
 
 @cached_compile
@@ -494,9 +553,13 @@ def permute_quant_cuda(
     t2r = token_to_row if token_to_row.dtype == torch.int32 else token_to_row.to(torch.int32)
     if x.shape[0] == 0:  # no token: one placeholder token routed nowhere (the zeroing CTAs, if any, still run)
         t2r = t2r.new_full((1, k), -1)
-    compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding)(
-        _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale
+    token_scales = x.shape[0] >= TOKEN_SCALES_MIN_TOKENS
+    scales_out = a_scale.new_empty((x.shape[0], hidden // GROUP)) if token_scales else a_scale
+    compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding, token_scales)(
+        _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale, scales_out
     )
+    if token_scales:
+        compile_scale_scatter(arch)(scales_out, row_to_token, expert_offsets, a_scale)
     return a, a_scale
 
 
@@ -542,7 +605,13 @@ def inspect_variants(arch: str):
                 "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written]",
                 compile_permute_quant_tokens(torch.bfloat16, False, 8, arch, True, False),
                 token_smem,
-            )
+            ),
+            (
+                "permute_quant[bfloat16, token-major, k=8, scale_fmt=none, padding rows not written, token scales]",
+                compile_permute_quant_tokens(torch.bfloat16, False, 8, arch, True, False, True),
+                token_smem,
+            ),
+            ("permute_quant scale scatter", compile_scale_scatter(arch, True), 0),
         ]
         + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
     )
