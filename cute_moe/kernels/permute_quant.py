@@ -389,30 +389,36 @@ class TokenPermuteQuantKernel:
 class ScaleScatterKernel:
     """The token-major ``permute_quant``'s second launch at large T: ``a_scale[r, g] =
     token_scale[row_to_token[r], g]`` for every routed row ``r < end`` (padding rows and rows past
-    ``end`` untouched), one thread per row.  The MN-major stores of a group column are coalesced
-    along the rows; each thread reads its token's scales, a contiguous row of ``token_scale``,
-    from L2.  Written from the gathering CTAs instead, the same scales are ``k`` scattered 4-byte
-    stores per token and group, which cost the one-launch kernel 30% at T=16384 (bench/NOTES.md,
-    session 13)."""
+    ``end`` untouched).  A thread takes one row and ``groups_per_thread`` group columns: it issues
+    all of its loads (one 32-byte sector of its token's row of ``token_scale``, from L2) before its
+    stores, which are coalesced along the rows (MN-major); CTAs of 256 rows by 8 group columns.
+    Written from the gathering CTAs instead, the same scales are ``k`` scattered 4-byte stores per
+    token and group, which cost the one-launch kernel 30% at T=16384 (bench/NOTES.md, session 13)."""
 
     num_threads = 256
+    groups_per_thread = 8
 
     @cute.jit
     def __call__(self, mTS, mR2T, mOff, mS, stream):
-        self.kernel(mTS, mR2T, mOff, mS).launch(
-            grid=[cute.ceil_div(mS.shape[0], self.num_threads), 1, 1], block=[self.num_threads, 1, 1], stream=stream
-        )
+        grid = [cute.ceil_div(mS.shape[0], self.num_threads), cute.ceil_div(mS.shape[1], self.groups_per_thread), 1]
+        self.kernel(mTS, mR2T, mOff, mS).launch(grid=grid, block=[self.num_threads, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mTS, mR2T, mOff, mS):
         tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        row = bid * self.num_threads + tidx
+        bx, by, _ = cute.arch.block_idx()
+        row = bx * self.num_threads + tidx
         if row < rows_end(mOff, mS.shape[0]):
             tok = mR2T[row]
             if tok >= 0 and tok < mTS.shape[0]:  # -1 and ids outside [0, T): padding
-                for g in cutlass.range(mS.shape[1], unroll=4):
-                    mS[row, g] = mTS[tok, g]
+                groups = mS.shape[1]
+                first = by * self.groups_per_thread
+                rV = cute.make_rmem_tensor((self.groups_per_thread,), Float32)
+                for j in cutlass.range_constexpr(self.groups_per_thread):
+                    rV[j] = mTS[tok, cutlass.min(first + j, groups - 1)]  # past the last group: re-read it
+                for j in cutlass.range_constexpr(self.groups_per_thread):
+                    if first + j < groups:
+                        mS[row, first + j] = rV[j]
 
 
 class PermuteKernel(_RowGather):
