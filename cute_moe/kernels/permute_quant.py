@@ -389,9 +389,10 @@ class TokenPermuteQuantKernel:
 class ScaleScatterKernel:
     """The token-major ``permute_quant``'s second launch at large T: ``a_scale[r, g] =
     token_scale[row_to_token[r], g]`` for every routed row ``r < end`` (padding rows and rows past
-    ``end`` untouched).  A thread takes one row and ``groups_per_thread`` group columns: it issues
-    all of its loads (one 32-byte sector of its token's row of ``token_scale``, from L2) before its
-    stores, which are coalesced along the rows (MN-major); CTAs of 256 rows by 8 group columns.
+    ``end`` untouched).  A thread takes one row and ``groups_per_thread`` group columns: it loads
+    them from its token's row of ``token_scale`` (one 32-byte sector, two 16-byte loads: the
+    scratch's rows are padded to a multiple of 8 groups) before its stores, which are coalesced
+    along the rows (MN-major); CTAs of 256 rows by 8 group columns.
     Written from the gathering CTAs instead, the same scales are ``k`` scattered 4-byte stores per
     token and group, which cost the one-launch kernel 30% at T=16384 (bench/NOTES.md, session 13)."""
 
@@ -414,8 +415,7 @@ class ScaleScatterKernel:
                 groups = mS.shape[1]
                 first = by * self.groups_per_thread
                 rV = cute.make_rmem_tensor((self.groups_per_thread,), Float32)
-                for j in cutlass.range_constexpr(self.groups_per_thread):
-                    rV[j] = mTS[tok, cutlass.min(first + j, groups - 1)]  # past the last group: re-read it
+                cute.autovec_copy(cute.local_tile(mTS[tok, None], (self.groups_per_thread,), (by,)), rV)
                 for j in cutlass.range_constexpr(self.groups_per_thread):
                     if first + j < groups:
                         mS[row, first + j] = rV[j]
@@ -488,8 +488,10 @@ def compile_permute_quant(dtype: torch.dtype, ue8m0: bool, arch: str, keep_cubin
 
 
 def _fake_token_scales(num_tokens):
-    """token_scale [T, H / 128] f32, row-major as the launch function allocates it."""
-    return fake_tensor(Float32, (num_tokens, cute.sym_int()), (cute.sym_int64(), 1), align=4)
+    """token_scale [T, H / 128 rounded up to 8] f32, row-major as the launch function allocates it."""
+    groups = ScaleScatterKernel.groups_per_thread
+    return fake_tensor(Float32, (num_tokens, cute.sym_int(divisibility=groups)),
+                       (cute.sym_int64(divisibility=groups), 1))  # fmt: skip
 
 
 @cached_compile
@@ -560,7 +562,8 @@ def permute_quant_cuda(
     if x.shape[0] == 0:  # no token: one placeholder token routed nowhere (the zeroing CTAs, if any, still run)
         t2r = t2r.new_full((1, k), -1)
     token_scales = x.shape[0] >= TOKEN_SCALES_MIN_TOKENS
-    scales_out = a_scale.new_empty((x.shape[0], hidden // GROUP)) if token_scales else a_scale
+    padded_groups = -(-hidden // GROUP // ScaleScatterKernel.groups_per_thread) * ScaleScatterKernel.groups_per_thread
+    scales_out = a_scale.new_empty((x.shape[0], padded_groups)) if token_scales else a_scale
     compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding, token_scales)(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale, scales_out
     )
