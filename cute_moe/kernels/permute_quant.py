@@ -54,10 +54,10 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
   ``l``, and ``l + 16`` when k > 16) before any math; quantizes; writes its 8 codes
   to the CTA's shared-memory copy of the slab (2 KB per token) and the group's
   scale to the rows of its entries (from ``TOKEN_SCALES_MIN_TOKENS`` tokens on:
-  once, to the token's row of a ``[T, H / 128]`` scratch, which a second launch,
-  ``ScaleScatterKernel``, moves to the rows with coalesced stores; the ``k``
-  scattered 4-byte stores per token and group cost 30% at T=16384).  After a proxy fence and one barrier, thread
-  ``j < k`` copies each token's slab to destination ``j`` with one bulk copy
+  once, to the token's row of a ``[T, H / 128 rounded up to 8]`` scratch, which
+  a second launch, ``ScaleScatterKernel``, moves to the rows with coalesced
+  stores; the ``k`` scattered 4-byte stores per token and group cost 30% at
+  T=16384).  After a proxy fence and one barrier, thread ``j < k`` copies each token's slab to destination ``j`` with one bulk copy
   (``cp.async.bulk`` shared -> global, up to 2 KB contiguous, no tensor map), and waits
   for the copies to have read shared memory before the CTA exits.  A destination
   is written when its row lies in ``[0, end)`` (-1 is skipped).  The bulk copies
@@ -236,8 +236,8 @@ class TokenPermuteQuantKernel:
         self.ue8m0 = ue8m0
         self.k = k
         self.zero_padding_ctas = zero_padding
-        # token_scales: a token's scales go once to its row of token_scale [T, H / 128] (contiguous),
-        # and ScaleScatterKernel moves them to the k rows; else to each of the k rows from here.
+        # token_scales: a token's scales go once to its row of the token_scale scratch, and
+        # ScaleScatterKernel moves them to the k rows; else to each of the k rows from here.
         self.token_scales = token_scales
         self.lanes = lanes_per_group(dtype.width // 8, GROUP)
         self.elems_per_lane = GROUP // self.lanes
@@ -392,9 +392,7 @@ class ScaleScatterKernel:
     ``end`` untouched).  A thread takes one row and ``groups_per_thread`` group columns: it loads
     them from its token's row of ``token_scale`` (one 32-byte sector, two 16-byte loads: the
     scratch's rows are padded to a multiple of 8 groups) before its stores, which are coalesced
-    along the rows (MN-major); CTAs of 256 rows by 8 group columns.
-    Written from the gathering CTAs instead, the same scales are ``k`` scattered 4-byte stores per
-    token and group, which cost the one-launch kernel 30% at T=16384 (bench/NOTES.md, session 13)."""
+    along the rows (MN-major); CTAs of 256 rows by 8 group columns."""
 
     num_threads = 256
     groups_per_thread = 8
