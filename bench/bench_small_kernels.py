@@ -27,9 +27,10 @@ ways: without counts the kernel also moves the padding rows, about 11% more
 bytes at T=16384 and nearly all of them at decode sizes); finalize and
 moe_reduce are in bench_finalize.py.
 
-The header also gives the write-only bandwidth of the same GPU (a fill kernel): permute_quant
-writes about four bytes for each one it reads, and on an H200 a pure write stream runs at ~78%
-of the copy figure, which bounds it well below the copy bandwidth.
+The header also gives the write-only bandwidth of the same GPU (a fill kernel, ~78% of the copy
+figure on an H200).  It is not a bound for permute_quant, which writes about four bytes for each
+one it reads: its bulk copies write faster than the fill, and a plain contiguous stream of its byte
+mix reaches 88-91% of copy (bench/NOTES.md, session 14).
 """
 from __future__ import annotations
 

@@ -86,6 +86,7 @@ def test_permute_quant_sass(arch):
         NO_ZEROING,
         TOKEN_SCALES,
         "permute_quant scale scatter",
+        "permute_quant scale scatter, padding rows",
         "permute[float8_e4m3fn]",
     ]
     for fmt in ("none", "ue8m0"):

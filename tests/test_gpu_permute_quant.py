@@ -195,7 +195,7 @@ def test_permute_quant_token_scales_in_two_launches(routing, zero_padding):
     compile_permute_quant_tokens(torch.bfloat16, False, token_to_row.shape[1], arch, False, zero_padding, True)(
         x, token_to_row, row_to_token, offsets, a, s, token_scale
     )
-    compile_scale_scatter(arch)(token_scale, row_to_token, offsets, s)
+    compile_scale_scatter(arch, False, zero_padding)(token_scale, row_to_token, offsets, s)
     if not zero_padding:
         _assert_routed_rows_only(x, a, s, row_to_token, offsets)
         return

@@ -67,7 +67,8 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
   256)`` of a slab of 8 group columns.  Each thread reads one ``row_to_token``
   entry; each warp ballots its 32 padding rows (``t == -1`` or outside ``[0, T)``,
   row ``< end``) and writes them one by one: 1024 zero codes (two 16-byte stores
-  per lane) and 8 scales of an all-zero group (taken from the quantizer itself).
+  per lane) and 8 scales of an all-zero group (taken from the quantizer itself; in the
+  two-launch mode ``ScaleScatterKernel`` writes those scales instead, with coalesced stores).
   Blocks at or past ``end`` exit at once; only padding rows are written.  Not
   launched with ``zero_padding=False`` (``fused_moe``: its GEMMs and
   ``silu_mul_quant`` are given align's counts and never use a padding row).  At
@@ -223,6 +224,15 @@ def bulk_store(dst_addr, src: cute.Pointer, nbytes, *, loc=None, ip=None) -> Non
     )  # fmt: skip
 
 
+@cute.jit
+def zero_group_scale(ue8m0: cutlass.Constexpr) -> Float32:
+    """The scale of an all-zero group, from the quantizer itself (1e-6 / 448, or 2**-28)."""
+    rZ = cute.make_rmem_tensor((1,), Float32)
+    rZ.fill(0.0)
+    rQ = cute.make_rmem_tensor((1,), cutlass.Float8E4M3FN)
+    return quantize_group_fp8(rZ, rQ, 1, ue8m0)
+
+
 class TokenPermuteQuantKernel:
     """Token-major ``permute_quant``; static configuration: input dtype, scale format, top-k ``k``,
     and whether the zeroing CTAs run (``zero_padding=False`` launches the gathering CTAs only)."""
@@ -359,7 +369,7 @@ class TokenPermuteQuantKernel:
             mask = cutlass.Uint32(cute.arch.vote_ballot_sync(row < end and (tok < 0 or tok >= num_tokens)))
             lane = cute.arch.lane_idx()
             warp_first_row = first_row + tidx // 32 * 32
-            zero_scale = self.zero_group_scale()
+            zero_scale = zero_group_scale(self.ue8m0)
             vec = 16  # codes per 16-byte store
             store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
             rZ = cute.make_rmem_tensor((vec,), cutlass.Uint8)
@@ -374,28 +384,28 @@ class TokenPermuteQuantKernel:
                     col = slab * (self.pad_groups * GROUP // vec) + c * 32 + lane
                     if col < mQ.shape[1] // vec:
                         cute.copy(store, rZ, cute.local_tile(mCodes[pad_row, None], (vec,), (col,)))
-                if lane < self.pad_groups and group < groups:
-                    mS[pad_row, group] = zero_scale
-
-    @cute.jit
-    def zero_group_scale(self) -> Float32:
-        """The scale of an all-zero group, from the quantizer itself (1e-6 / 448, or 2**-28)."""
-        rZ = cute.make_rmem_tensor((1,), Float32)
-        rZ.fill(0.0)
-        rQ = cute.make_rmem_tensor((1,), cutlass.Float8E4M3FN)
-        return quantize_group_fp8(rZ, rQ, 1, self.ue8m0)
+                # with token_scales, ScaleScatterKernel writes the padding rows' scales (coalesced)
+                if cutlass.const_expr(not self.token_scales):
+                    if lane < self.pad_groups and group < groups:
+                        mS[pad_row, group] = zero_scale
 
 
 class ScaleScatterKernel:
     """The token-major ``permute_quant``'s second launch at large T: ``a_scale[r, g] =
-    token_scale[row_to_token[r], g]`` for every routed row ``r < end`` (padding rows and rows past
-    ``end`` untouched).  A thread takes one row and ``groups_per_thread`` group columns: it loads
+    token_scale[row_to_token[r], g]`` for every routed row ``r < end``; padding rows below ``end`` get
+    the all-zero group's scale with ``padding_scales``, else stay untouched, as rows past ``end`` do.  A thread takes one row and ``groups_per_thread`` group columns: it loads
     them from its token's row of ``token_scale`` (one 32-byte sector, two 16-byte loads: the
     scratch's rows are padded to a multiple of 8 groups) before its stores, which are coalesced
     along the rows (MN-major); CTAs of 256 rows by 8 group columns."""
 
     num_threads = 256
     groups_per_thread = 8
+
+    def __init__(self, padding_scales: bool = False, ue8m0: bool = False):
+        # padding_scales: padding rows (row_to_token -1 or outside [0, T)) below end get the scale
+        # of an all-zero group (the zeroing CTAs of the first launch write their codes only).
+        self.padding_scales = padding_scales
+        self.ue8m0 = ue8m0
 
     @cute.jit
     def __call__(self, mTS, mR2T, mOff, mS, stream):
@@ -409,11 +419,15 @@ class ScaleScatterKernel:
         row = bx * self.num_threads + tidx
         if row < rows_end(mOff, mS.shape[0]):
             tok = mR2T[row]
-            if tok >= 0 and tok < mTS.shape[0]:  # -1 and ids outside [0, T): padding
-                groups = mS.shape[1]
-                first = by * self.groups_per_thread
-                rV = cute.make_rmem_tensor((self.groups_per_thread,), Float32)
+            groups = mS.shape[1]
+            first = by * self.groups_per_thread
+            rV = cute.make_rmem_tensor((self.groups_per_thread,), Float32)
+            routed = tok >= 0 and tok < mTS.shape[0]  # -1 and ids outside [0, T): padding
+            if routed:
                 cute.autovec_copy(cute.local_tile(mTS[tok, None], (self.groups_per_thread,), (by,)), rV)
+            elif cutlass.const_expr(self.padding_scales):
+                rV.fill(zero_group_scale(self.ue8m0))
+            if routed or cutlass.const_expr(self.padding_scales):
                 for j in cutlass.range_constexpr(self.groups_per_thread):
                     if first + j < groups:
                         mS[row, first + j] = rV[j]
@@ -508,11 +522,12 @@ def compile_permute_quant_tokens(dtype: torch.dtype, ue8m0: bool, k: int, arch: 
 
 
 @cached_compile
-def compile_scale_scatter(arch: str, keep_cubin: bool = False):
+def compile_scale_scatter(arch: str, keep_cubin: bool = False, padding_scales: bool = False, ue8m0: bool = False):
     """Compile ``ScaleScatterKernel`` for every T, H / 128, M_cap and E."""
     _, mR2T, mOff, _, mS = _fake_rows_io(cutlass.BFloat16, cute.sym_int(), cute.sym_int(), cute.sym_int(), True)
     mTS = _fake_token_scales(cute.sym_int())
-    return compile_kernel(ScaleScatterKernel(), mTS, mR2T, mOff, mS, arch=arch, keep_cubin=keep_cubin)
+    kernel = ScaleScatterKernel(padding_scales, ue8m0)
+    return compile_kernel(kernel, mTS, mR2T, mOff, mS, arch=arch, keep_cubin=keep_cubin)
 
 
 @cached_compile
@@ -566,7 +581,7 @@ def permute_quant_cuda(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale, scales_out
     )
     if token_scales:
-        compile_scale_scatter(arch)(scales_out, row_to_token, expert_offsets, a_scale)
+        compile_scale_scatter(arch, False, zero_padding, ue8m0)(scales_out, row_to_token, expert_offsets, a_scale)
     return a, a_scale
 
 
@@ -619,6 +634,7 @@ def inspect_variants(arch: str):
                 token_smem,
             ),
             ("permute_quant scale scatter", compile_scale_scatter(arch, True), 0),
+            ("permute_quant scale scatter, padding rows", compile_scale_scatter(arch, True, True), 0),
         ]
         + [("permute[float8_e4m3fn]", compile_permute(arch, True), PermuteKernel().smem_bytes())]
     )
