@@ -34,9 +34,9 @@ the GEMMs of a prefill MoE layer: ~128 / ~256 rows per expert, so every expert's
 only 1-3 M tiles (the contiguous shapes reuse them over 4-64).
 
 Counting: FLOPs = 2 * routed rows * N * K (padding rows excluded), for every implementation
-(the dense peer: its own M).  Bytes = minimal HBM traffic: the activation rows up to
-expert_offsets[-1] (codes + scales), the *touched* experts' weights (codes + scales; bf16 for the
-bf16 peer) and the bf16 output rows; ``w GB/s`` is the touched weights alone (the decode figure of
+(the dense peer: its own M).  Bytes = minimal HBM traffic: the routed rows' activations (codes +
+scales), the *touched* experts' weights (codes + scales; bf16 for the bf16 peer) and the routed
+rows' bf16 output (padding rows excluded, as in the FLOPs; before session 14 they were counted); ``w GB/s`` is the touched weights alone (the decode figure of
 merit, against the copy bandwidth measured in the same run).  Time: median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls
 (``Timer.kernel_us``) for a peer that cannot be captured.
@@ -278,9 +278,9 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
     s = p.shape
     N, K, kb = s.N, s.K, s.K // BLOCK
     flops = 2 * p.routed_rows * N * K
-    act_bytes = p.end * (K + 4 * kb)
+    act_bytes = p.routed_rows * (K + 4 * kb)
     w_fp8 = p.touched * (N * K + 4 * _cdiv(N, BLOCK) * kb)
-    out_bytes = p.end * N * 2
+    out_bytes = p.routed_rows * N * 2
     rows = []
 
     def row(impl, us, how, flops_, w_bytes, bytes_, note=""):
@@ -341,7 +341,8 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
                 us, how = _time(timer, lambda: torch._scaled_grouped_mm(p.a, b_t, sa_r, sb_r, offs=ends,
                                                                           out_dtype=torch.bfloat16), reps)  # fmt: skip
                 w_bytes = p.touched * (N * K + 4 * N)
-                row("scaled_grouped", us, how, flops, w_bytes, p.end * (K + 4) + w_bytes + out_bytes, "rowwise scales")
+                row("scaled_grouped", us, how, flops, w_bytes, p.routed_rows * (K + 4) + w_bytes + out_bytes,
+                    "rowwise scales")
             except Exception as exc:  # noqa: BLE001
                 row("scaled_grouped", None, None, 0, 0, 0, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             del sa_r, sb_r, b_t
@@ -356,7 +357,7 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
                 b16_t = b16.transpose(-2, -1)
                 us, how = _time(timer, lambda: torch._grouped_mm(a16, b16_t, offs=ends, out_dtype=torch.bfloat16), reps)
                 w_bytes = p.touched * N * K * 2
-                row("bf16_grouped", us, how, flops, w_bytes, p.end * K * 2 + w_bytes + out_bytes)
+                row("bf16_grouped", us, how, flops, w_bytes, p.routed_rows * K * 2 + w_bytes + out_bytes)
                 del a16, b16, b16_t
             except Exception as exc:  # noqa: BLE001 (e.g. out of memory for bf16 copies of 256 experts)
                 row("bf16_grouped", None, None, 0, 0, 0, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
