@@ -1,6 +1,6 @@
 """Same-run A/B of grouped_gemm_fp8 kernel variants on the GPU: µs per shape and variant over
 several rounds, and whether each variant's output equals the first's bit for bit on the rows the
-contract defines (below ``expert_offsets[-1]``).
+contract defines (below ``expert_offsets[-1]``; with expert counts, the real rows only).
 
     python bench/ab_grouped_gemm.py [--rev REV] [--variant KEY=VAL[,KEY=VAL]] ... [--only SUBSTR] ...
                                     [--rounds N] [--reps N]
@@ -85,6 +85,15 @@ def parse_variant(text: str) -> dict:
     return out
 
 
+def _defined_rows(p) -> torch.Tensor:
+    """Indices of the output rows the contract defines: below expert_offsets[-1], and with expert
+    counts only each segment's first counts[e] rows (its padding rows are unspecified)."""
+    if p.expert_counts is None:
+        return torch.arange(p.end, device=p.offsets.device)
+    starts = p.offsets[:-1].tolist()
+    return torch.cat([torch.arange(s, s + c, device=p.offsets.device) for s, c in zip(starts, p.counts)])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rev", default=None, help="also run the kernel as it was at this git revision (first)")
@@ -114,7 +123,8 @@ def main() -> None:
     for s in selected:  # one problem in memory at a time (E=256 weights are up to 7.5 GB)
         p = make_problem(s)
         launch_args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
-        outs = [fn(*launch_args, **kw)[: p.end].view(torch.int16) for _, fn, kw in variants]
+        rows = _defined_rows(p)
+        outs = [fn(*launch_args, **kw)[rows].view(torch.int16) for _, fn, kw in variants]
         times = [[] for _ in variants]
         for _ in range(args.rounds):
             for (_, fn, kw), t in zip(variants, times):

@@ -1,5 +1,5 @@
 """The Hopper grouped FP8 GEMM (``cute_moe/kernels/grouped_gemm_sm90.py``) compiles for sm_90a with
-no GPU, and two properties that once failed only on the GPU hold in its binary:
+no GPU, and these properties of its binary hold (the first two once failed only on the GPU):
 
 * the register split between the producer warp group and the two math warp groups fits the CTA's
   launch allocation (``setmaxnreg`` moves registers within it: a split that asks for more, such as

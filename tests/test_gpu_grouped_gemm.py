@@ -20,7 +20,8 @@ is called directly on fresh random data per case:
   against ``reference.grouped_gemm_fp8_ref`` (exact 128-wide block sums, f32
   promotion): no NaN; relative L2 error <= 5e-3 over all rows and over every
   non-empty segment (a wrong expert on a small segment cannot hide behind a large
-  one); <= 2e-2 on every real row; padding rows exactly zero.  Rows past the last
+  one); <= 2e-2 on every real row; padding rows exactly zero (with expert counts:
+  padding rows unchecked, the contract leaves them unspecified).  Rows past the last
   segment are unspecified.
 
 The shape set samples the cross product of K in {7168, 2048, 4096, 1536} and
@@ -381,6 +382,21 @@ def test_grouped_gemm_fp8_misaligned_segments_give_nan():
                                 torch.tensor([0, 128, 128, 128], dtype=torch.int32, device="cuda"))  # fmt: skip
     rel = ((c[:128].float() - want.float()).norm() / want.float().norm()).item()
     assert rel <= REL_L2
+    assert bool(c[128:384].isnan().all()), "a misaligned segment's tiles must be NaN"
+
+
+@VARIANTS
+def test_grouped_gemm_fp8_misaligned_segments_give_nan_with_counts(variant):
+    """With expert counts too, a misaligned segment's tiles are written whole as NaN: a tile of a
+    few real rows must not take the epilogue that writes those rows only (rows it leaves unwritten
+    would keep what the allocator held: zeros here, a plausible answer)."""
+    routing = routing_from_counts([128, 72, 184])
+    p = make_problem(3, 256, 1024, routing, seed=34)
+    p.routing.offsets.copy_(torch.tensor([0, 128, 200, 384], dtype=torch.int32))
+    counts = torch.tensor([128, 40, 100], dtype=torch.int32, device="cuda")
+    block = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")  # the output's memory: finite
+    del block
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
     assert bool(c[128:384].isnan().all()), "a misaligned segment's tiles must be NaN"
 
 

@@ -31,9 +31,10 @@ def _arch_launcher(arch: str):
 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None) -> torch.Tensor:
-    """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding; the sm_100a kernel
-    computes every row.  Either way padding rows of the output are unspecified: zero when A's
-    padding rows are (``permute_quant``'s default), anything when they were left unwritten."""
+    """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding and leave the
+    padding rows of a tile with at most 64 real rows unwritten; the sm_100a kernel computes every
+    row.  Either way padding rows of the output are unspecified: without counts they are zero when
+    A's padding rows are (``permute_quant``'s default), anything when those were left unwritten."""
     return _arch_launcher(arch_of_device_index(a.get_device()))(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
 

@@ -345,8 +345,11 @@ class GroupedGemmFp8Sm90:
         # The accumulator fragment covers two rows per thread: element i's row is row0 + ROW_OFF[i].
         c0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         row_offsets = sorted({c0[i][0] - c0[0][0] for i in range(cute.size(c0))})
-        # sparse_epilogue stores elements 2j, 2j + 1 together: adjacent columns of one row.
+        # sparse_epilogue stores elements 2j, 2j + 1 together (adjacent columns of one row), from the
+        # first warp group only (its last thread must hold row SPARSE_ROWS - 1 or later).
         assert all(c0[i + 1][0] == c0[i][0] and c0[i + 1][1] == c0[i][1] + 1 for i in range(0, cute.size(c0), 2))
+        c127 = tiled_mma.get_slice(127).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        assert max(c127[i][0] for i in range(cute.size(c127))) >= SPARSE_ROWS - 1
         which_row = [row_offsets.index(c0[i][0] - c0[0][0]) for i in range(cute.size(c0))]
         rows = (tCcC[0][0], row_offsets, which_row)
         # The scales of tmp0's / tmp1's K block, one per row of the thread.
