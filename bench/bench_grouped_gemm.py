@@ -36,8 +36,9 @@ only 1-3 M tiles (the contiguous shapes reuse them over 4-64).
 Counting: FLOPs = 2 * routed rows * N * K (padding rows excluded), for every implementation
 (the dense peer: its own M).  Bytes = minimal HBM traffic: the routed rows' activations (codes +
 scales), the *touched* experts' weights (codes + scales; bf16 for the bf16 peer) and the routed
-rows' bf16 output (padding rows excluded, as in the FLOPs; before session 14 they were counted); ``w GB/s`` is the touched weights alone (the decode figure of
-merit, against the copy bandwidth measured in the same run).  Time: median device time of a
+rows' bf16 output (padding rows excluded, as in the FLOPs; before session 14 they were counted);
+``w GB/s`` is the touched weights alone (the decode figure of merit, against the copy bandwidth
+measured in the same run).  Time: median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls
 (``Timer.kernel_us``) for a peer that cannot be captured.
 """

@@ -199,7 +199,8 @@ def reroute(p: Problem, routing: Routing, seed: int) -> None:
 # ----------------------------------------------------------------------------- checks
 
 
-def check_output(c: torch.Tensor, p: Problem, ref: torch.Tensor | None = None, padding_unspecified: bool = False) -> None:
+def check_output(c: torch.Tensor, p: Problem, ref: torch.Tensor | None = None,
+                 padding_unspecified: bool = False) -> None:  # fmt: skip
     """c against grouped_gemm_fp8_ref on rows < expert_offsets[-1] (see the module docstring).
     ``padding_unspecified`` (a call with expert counts): the padding rows are not checked."""
     m_cap, N = p.a.shape[0], p.b.shape[1]

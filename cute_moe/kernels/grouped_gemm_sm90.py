@@ -609,10 +609,10 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
     a warp group whose 64 rows of a tile are all past the count skips its math, and a tile with at
-    most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.  ``block_scaled=False`` is the
-    benchmark's no-promotion variant (scales ignored).  ``along_m``, ``store_behind``: the cluster
-    direction and the epilogue (``cluster_along_m`` and ``store_behind_epilogue`` of the shapes
-    when None; tests and benchmarks force either)."""
+    most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.
+    ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored).  ``along_m``,
+    ``store_behind``: the cluster direction and the epilogue (``cluster_along_m`` and
+    ``store_behind_epilogue`` of the shapes when None; tests and benchmarks force either)."""
     has_counts = expert_counts is not None
     if along_m is None:
         along_m = cluster_along_m(a.shape[0], b.shape[0], a.shape[1])

@@ -393,10 +393,11 @@ class TokenPermuteQuantKernel:
 class ScaleScatterKernel:
     """The token-major ``permute_quant``'s second launch at large T: ``a_scale[r, g] =
     token_scale[row_to_token[r], g]`` for every routed row ``r < end``; padding rows below ``end`` get
-    the all-zero group's scale with ``padding_scales``, else stay untouched, as rows past ``end`` do.  A thread takes one row and ``groups_per_thread`` group columns: it loads
-    them from its token's row of ``token_scale`` (one 32-byte sector, two 16-byte loads: the
-    scratch's rows are padded to a multiple of 8 groups) before its stores, which are coalesced
-    along the rows (MN-major); CTAs of 256 rows by 8 group columns."""
+    the all-zero group's scale with ``padding_scales``, else stay untouched, as rows past ``end`` do.
+    A thread takes one row and ``groups_per_thread`` group columns: it loads them from its token's
+    row of ``token_scale`` (one 32-byte sector, two 16-byte loads: the scratch's rows are padded to
+    a multiple of 8 groups) before its stores, which are coalesced along the rows (MN-major); CTAs
+    of 256 rows by 8 group columns."""
 
     num_threads = 256
     groups_per_thread = 8
