@@ -38,3 +38,18 @@ def test_load_revision_from_a_directory(tmp_path):
         (tmp_path / name).write_text(open(os.path.join(ROOT, "cute_moe", "kernels", name)).read())
     rev = ab.load_revision(str(tmp_path))
     assert callable(rev.grouped_gemm_fp8_cuda) and rev.__name__ == "cute_moe.kernels._ab_rev_sm90"
+
+
+def test_defined_rows_leave_out_padding_only_with_counts():
+    """The rows whose bits the A/B compares: all rows below expert_offsets[-1] without expert
+    counts; with them, each segment's first counts[e] rows (its padding rows are unspecified)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    offsets = torch.tensor([0, 128, 128, 384], dtype=torch.int32)
+    counts = [3, 0, 130]
+    plain = SimpleNamespace(offsets=offsets, counts=counts, expert_counts=None, end=384)
+    assert ab._defined_rows(plain).tolist() == list(range(384))
+    with_counts = SimpleNamespace(offsets=offsets, counts=counts, expert_counts=torch.tensor(counts), end=384)
+    assert ab._defined_rows(with_counts).tolist() == [0, 1, 2] + list(range(128, 258))
