@@ -5,14 +5,14 @@ from __future__ import annotations
 import torch
 
 
-def poison_allocator(nbytes: int = 256 << 20) -> None:
-    """Fill the caching allocator's free memory with NaN bytes (0xFF) and release it.
+def poison_allocator(nbytes: int = 256 << 20, fill: int = 0xFF) -> None:
+    """Fill the caching allocator's free memory with NaN bytes (0xFF; or ``fill``) and release it.
 
     Ops allocate their outputs with torch.empty, so a following op call reuses
     these bytes: any output element the kernel fails to write stays NaN / 0xFF.
     """
     block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    block.fill_(0xFF)
+    block.fill_(fill)
     del block
 
 

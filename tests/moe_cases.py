@@ -73,16 +73,17 @@ def padding_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.long, device=offsets.device)
 
 
-def poison_pools(large_bytes: int) -> None:
-    """Fill the caching allocator's free memory with 0xFF (NaN for f32), in both of its pools.
+def poison_pools(large_bytes: int, fill: int = 0xFF) -> None:
+    """Fill the caching allocator's free memory with 0xFF (NaN for f32; or ``fill``), in both of
+    its pools.
 
     ``gpu_helpers.poison_allocator`` poisons one large block; outputs under 1 MB come
     from the small pool (2 MB segments), which this poisons too.
     """
-    poison_allocator(large_bytes)
+    poison_allocator(large_bytes, fill)
     small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
     for t in small:
-        t.fill_(0xFF)
+        t.fill_(fill)
     del small
 
 

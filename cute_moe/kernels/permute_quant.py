@@ -57,7 +57,8 @@ each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
   once, to the token's row of a ``[T, H / 128 rounded up to 8]`` scratch, which
   a second launch, ``ScaleScatterKernel``, moves to the rows with coalesced
   stores; the ``k`` scattered 4-byte stores per token and group cost 30% at
-  T=16384).  After a proxy fence and one barrier, thread ``j < k`` copies each token's slab to destination ``j`` with one bulk copy
+  T=16384).  After a proxy fence and one barrier, thread ``j < k`` copies each
+  token's slab to destination ``j`` with one bulk copy
   (``cp.async.bulk`` shared -> global, up to 2 KB contiguous, no tensor map), and waits
   for the copies to have read shared memory before the CTA exits.  A destination
   is written when its row lies in ``[0, end)`` (-1 is skipped).  The bulk copies
@@ -577,12 +578,15 @@ def permute_quant_cuda(
         t2r = t2r.new_full((1, k), -1)
     token_scales = x.shape[0] >= TOKEN_SCALES_MIN_TOKENS
     padded_groups = -(-hidden // GROUP // ScaleScatterKernel.groups_per_thread) * ScaleScatterKernel.groups_per_thread
-    scales_out = a_scale.new_empty((x.shape[0], padded_groups)) if token_scales else a_scale
+    scales_out = a_scale.new_empty(x.shape[0], padded_groups) if token_scales else a_scale
     compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding, token_scales)(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale, scales_out
     )
     if token_scales:
-        compile_scale_scatter(arch, False, zero_padding, ue8m0)(scales_out, row_to_token, expert_offsets, a_scale)
+        # (the scale format matters only for the padding rows' scale: one binary without them)
+        compile_scale_scatter(arch, False, zero_padding, ue8m0 and zero_padding)(
+            scales_out, row_to_token, expert_offsets, a_scale
+        )
     return a, a_scale
 
 
