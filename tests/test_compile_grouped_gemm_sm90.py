@@ -81,6 +81,15 @@ def test_expert_counts_k_loop_is_the_plain_one(report):
         assert ops.count("R2UR") <= plain.count("R2UR"), "WGMMA descriptors moved from vector registers"
 
 
+def test_a_boxes_only_with_counts_along_n_and_long_k(report):
+    """One A load and one B load per K block, except with expert counts, pairs along N and no
+    store-behind epilogue (the w13 GEMM), where A is loaded by one of three box heights."""
+    loads = {v["name"]: len(re.findall(r"\bUTMALDG\b", v["sass"])) for v in report["variants"]}
+    for name, count in loads.items():
+        boxed = "expert_counts" in name and "A shared" in name and "store-behind" not in name
+        assert count == (4 if boxed else 2) or ("B shared" in name and count == 3), (name, count)
+
+
 def test_sparse_epilogue_stores_bf16_pairs(report):
     plain, *others = report["variants"]
     stores = re.compile(r"\bSTG\.E(\.[A-Z0-9.]+)?\b")

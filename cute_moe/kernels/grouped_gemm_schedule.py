@@ -96,6 +96,26 @@ def _segment_ends_at_or_below(mOff: cute.Tensor, row0: Int32, row1: Int32, num_e
     return count0, count1
 
 
+@cute.jit
+def expert_and_rows(mOff: cute.Tensor, mCnt: cute.Tensor, row: Int32, num_experts: Int32, lane: Int32):
+    """(the expert whose segment holds ``row``, its real rows from ``row`` on: ``mCnt[e] - (row -
+    mOff[e])``, 0 when no segment holds it), in the one round trip of ``expert_of_row``: a lane
+    loads each of its experts' start, end and count at once, and the lane whose segment holds the
+    row contributes its rows to a warp sum."""
+    count = Int32(0)
+    rows = Int32(0)
+    for base in cutlass.range(0, num_experts, 32 * _LOOKUP_DEPTH, unroll=1):
+        idx = [min(base + lane + 32 * j, num_experts - 1) for j in range(_LOOKUP_DEPTH)]
+        starts = [mOff[i] for i in idx]
+        ends = [mOff[i + 1] for i in idx]
+        counts = [mCnt[i] for i in idx]
+        for j in cutlass.range_constexpr(_LOOKUP_DEPTH):
+            valid = base + lane + 32 * j < num_experts
+            count += Int32((ends[j] <= row) & valid)
+            rows += Int32((starts[j] <= row) & (row < ends[j]) & valid) * (counts[j] - (row - starts[j]))
+    return cute.arch.warp_reduction_sum(count), cute.arch.warp_reduction_sum(rows)
+
+
 def pair_launch_grid(m_cap: int, n: int, num_sms: int) -> int:
     """CTAs the sm90 kernel launches: clusters of 2 along M, one CTA per SM, fewer when M_cap x N
     has fewer tile pairs."""

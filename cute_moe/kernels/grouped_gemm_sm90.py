@@ -23,7 +23,11 @@ from the shapes by ``cluster_along_m``:
 
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (128 x 128) into one of ``STAGES`` shared-memory stages (``PipelineTmaAsync``), each by one
-  load or by halves multicast within the cluster as above.
+  load or by halves multicast within the cluster as above.  With expert counts (pairs along N,
+  K > 2048: the w13 GEMM) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that
+  holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
+  rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
+  half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
   so 512 contiguous bytes: 16 per lane) and its one B scale into the K block's stage
   (``ScalesIntoStages``): each lane's copies count as one arrival on the stage's full
@@ -73,8 +77,8 @@ from cutlass.tensor_utils import LayoutEnum
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
-    fake_operands, fp8_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles, visit_coords,
-    visit_expert,
+    expert_and_rows, fake_operands, fp8_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles,
+    visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 516 B scales) + 2 x 8 KB =
@@ -89,6 +93,9 @@ _EPI_BARRIER = 1  # named barrier of the math warps (0 is __syncthreads)
 # With expert counts, a tile with at most this many real rows (all in the first math warp group's
 # half; decode, and the last tile of many segments) is stored straight from that group's registers.
 SPARSE_ROWS = TILE_M // 2
+# With expert counts, the TMA warp loads only the first R rows of a tile's A block, R the first of
+# these at or above the tile's real rows (decode tiles hold a few; a segment has at most T rows).
+A_BOX_ROWS = (16, SPARSE_ROWS, TILE_M)
 
 
 @dataclass(frozen=True)
@@ -133,10 +140,20 @@ class GroupedGemmFp8Sm90:
         # math warps wait for each 128 x 32 sub-tile's store before reusing its buffer.
         self.store_behind = store_behind
         self.stages = STORE_BEHIND_STAGES if store_behind else STAGES
+        # A boxes only where they paid in a same-run A/B (bench/NOTES.md, session 15): pairs along N
+        # with a long K loop (not store_behind), i.e. the w13 GEMM from decode to routed T = 4096.
+        # At K = 2048 (w2) and with pairs along M, whole tiles were as quick or quicker.
+        self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
         self.epi_buffers = STORE_BEHIND_BUFFERS if store_behind else EPI_BUFFERS
         self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4 + 12) + (
             self.epi_buffers * TILE_M * EPI_N * 2
         )
+
+    def a_box_layout(self, sA_layout, rows: int):
+        """The first ``rows`` rows of each A stage (``rows`` a multiple of 8: whole swizzle atoms), as
+        a box of that height lands in it."""
+        head = cute.make_layout((rows, TILE_K, self.stages), stride=(1, TILE_M, TILE_M * TILE_K))
+        return cute.make_composed_layout(sA_layout.inner, 0, cute.composition(sA_layout.outer, head))
 
     def _smem_layout(self, rows: int):
         atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
@@ -158,23 +175,27 @@ class GroupedGemmFp8Sm90:
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
         sB_layout = self._smem_layout(TILE_N)
-        sA_tile, sB_tile = cute.slice_(sA_layout, (None, None, 0)), cute.slice_(sB_layout, (None, None, 0))
+        sB_tile = cute.slice_(sB_layout, (None, None, 0))
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (TILE_N, TILE_K))
-        if cutlass.const_expr(self.along_m):
-            tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(), mA, sA_tile, (TILE_M, TILE_K)
+        # A's TMA atoms, one per box height (A_BOX_ROWS with counts): pairs along N multicast (each CTA
+        # loads half the box's rows), pairs along M load per CTA.
+        a_op = cpasync.CopyBulkTensorTileG2SOp() if self.along_m else cpasync.CopyBulkTensorTileG2SMulticastOp()
+        a_kw = {} if self.along_m else {"num_multicast": CLUSTER_N}
+        tma_a, tma_mA = [], []
+        for rows in self.a_boxes:
+            atom, tensor = cpasync.make_tiled_tma_atom(
+                a_op, mA, cute.slice_(self.a_box_layout(sA_layout, rows), (None, None, 0)), (rows, TILE_K), **a_kw
             )
+            tma_a.append(atom)
+            tma_mA.append(tensor)
+        tma_a, tma_mA = tuple(tma_a), tuple(tma_mA)
+        if cutlass.const_expr(self.along_m):
             # B two ways: a pair of M tiles of one expert loads the tile once (half per CTA, each half
             # multicast to both CTAs); a pair across two experts loads it per CTA.
             tma_b_pair, tma_mB_pair = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (TILE_N, TILE_K), num_multicast=CLUSTER_M
             )
             tma_b, tma_mB = (tma_b, tma_b_pair), (tma_mB, tma_mB_pair)
-        else:
-            # Each CTA loads half of the A tile and multicasts it to both.
-            tma_a, tma_mA = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), mA, sA_tile, (TILE_M, TILE_K), num_multicast=CLUSTER_N
-            )
         c_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.BFloat16, EPI_N), cutlass.BFloat16
         )
@@ -218,19 +239,20 @@ class GroupedGemmFp8Sm90:
         if cutlass.const_expr(self.along_m):
             cluster_mn = (CLUSTER_M, 1)
             # M tiles 2i, 2i + 1 of one N tile (grouped_gemm_schedule.pair_tile_schedule); B shared.
-            sched = pair_schedule(mOff, num_experts, mC.shape[0], mC.shape[1], mA.shape[1], PAIRS_PER_BAND,
+            sched = pair_schedule(mOff, num_experts, mC.shape[0], mC.shape[1], mA[0].shape[1], PAIRS_PER_BAND,
                                   bidx // CLUSTER_M, grid // CLUSTER_M, rank)  # fmt: skip
         else:
             cluster_mn = (1, CLUSTER_N)
             # N tiles 2j, 2j + 1 of one M tile (grouped_gemm_schedule.tile_schedule); A shared.
             n_groups = (mC.shape[1] + TILE_N * CLUSTER_N - 1) // (TILE_N * CLUSTER_N)
             sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
-                     n_groups, mA.shape[1] // TILE_K, rank)  # fmt: skip
+                     n_groups, mA[0].shape[1] // TILE_K, rank)  # fmt: skip
         cta_layout = cute.make_layout((*cluster_mn, 1))
         shared_mode = 0 if self.along_m else 1  # the cluster mode along which a multicast tile is shared
         mcast_mask = cute.make_layout_image_mask(cta_layout, cta_layout.get_flat_coord(rank), mode=shared_mode)
         if warp_idx == _TMA_WARP:
-            cpasync.prefetch_descriptor(tma_a)
+            for atom in tma_a:
+                cpasync.prefetch_descriptor(atom)
             if cutlass.const_expr(self.along_m):
                 cpasync.prefetch_descriptor(tma_b[0])
                 cpasync.prefetch_descriptor(tma_b[1])
@@ -239,6 +261,7 @@ class GroupedGemmFp8Sm90:
             cpasync.prefetch_descriptor(tma_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
+        # A stage's full-barrier byte count with a whole A tile (with A boxes, load_ab sets each stage's).
         tx_bytes = cute.size_in_bytes(cutlass.Float8E4M3FN, cute.slice_(sA_layout, (None, None, 0))) + cute.size_in_bytes(
             cutlass.Float8E4M3FN, cute.slice_(sB_layout, (None, None, 0))
         )
@@ -269,7 +292,10 @@ class GroupedGemmFp8Sm90:
         if warp_group == 0:
             cute.arch.setmaxregister_decrease(_PRODUCER_REGS)
             if warp_idx == _TMA_WARP:
-                self.load_ab(tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched)
+                boxes = [self.a_box_layout(sA_layout, rows) for rows in self.a_boxes]
+                sA_boxes = tuple(storage.sA.get_tensor(box.outer, swizzle=box.inner) for box in boxes)
+                self.load_ab(tma_a, mA, tma_b, mB, sA_boxes, sB, ab_pipe, (mOff, mCnt), num_experts, lane, mcast_mask,
+                             sched)  # fmt: skip
             if warp_idx == _SCALE_WARP:
                 load_scales(mSA, mSB, sSA, sSB, ScalesIntoStages(ab_pipe), self.stages, mOff, num_experts, lane,
                             sched, segment=(mCnt, sSeg), pairs=self.along_m)  # fmt: skip
@@ -278,34 +304,55 @@ class GroupedGemmFp8Sm90:
             self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, (mC, mC_direct), tidx - 128, sched)
 
     @cute.jit
-    def load_ab(self, tma_a, mA, tma_b, mB, sA, sB, ab_pipe, mOff, num_experts, lane, mcast_mask, sched):
+    def load_ab(self, tma_a, mA, tma_b, mB, sA_boxes, sB, ab_pipe, segments, num_experts, lane, mcast_mask, sched):
         """TMA warp: per K block, the A tile and expert e's B tile into one stage.  Pairs along N:
         this CTA's half of A, multicast to both CTAs.  Pairs along M: the B tile once per pair (this
-        CTA's half, multicast to both) when both M tiles are e's, else whole."""
+        CTA's half, multicast to both) when both M tiles are e's, else whole.  With expert counts,
+        only A's first ``A_BOX_ROWS`` rows that hold the tile's real rows (``sA_boxes``, ``tma_a``:
+        one per box height); the math reads whatever the rest of the stage holds into accumulator
+        rows that are never stored, and sets each stage's expected bytes to match."""
+        mOff, mCnt = segments
         first_tile, tiles, tile_stride, k_tiles, rank = sched[0], sched[1], sched[2], sched[4], sched[5]
-        gA = cute.local_tile(mA, (TILE_M, TILE_K), (None, None))  # (bM, bK, RestM, RestK)
-        sA_, sB_ = cute.group_modes(sA, 0, 2), cute.group_modes(sB, 0, 2)
         if cutlass.const_expr(self.along_m):
             (tma_b, tma_b_pair), (mB, mB_pair) = tma_b, mB
-            tAsA, tAgA = cpasync.tma_partition(tma_a, 0, cute.make_layout(1), sA_, cute.group_modes(gA, 0, 2))
             gB_pair = cute.local_tile(mB_pair, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
-            tBsB_pair, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M), sB_,
+            tBsB_pair, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M),
+                                                         cute.group_modes(sB, 0, 2),
                                                          cute.group_modes(gB_pair, 0, 2))  # fmt: skip
-        else:
-            tAsA, tAgA = cpasync.tma_partition(tma_a, rank, cute.make_layout(CLUSTER_N), sA_,
-                                               cute.group_modes(gA, 0, 2))  # fmt: skip
+        # Per box height: this CTA's part of the box (all of it along M, half along N) and its source.
+        a_parts = []
+        a_cta, a_ctas = (0, 1) if self.along_m else (rank, CLUSTER_N)
+        a_mcast = {} if self.along_m else {"mcast_mask": mcast_mask}
+        for i, rows in enumerate(self.a_boxes):
+            gA = cute.local_tile(mA[i], (rows, TILE_K), (None, None))  # (rows, bK, RestM, RestK)
+            a_parts.append(cpasync.tma_partition(tma_a[i], a_cta, cute.make_layout(a_ctas),
+                                                 cute.group_modes(sA_boxes[i], 0, 2),
+                                                 cute.group_modes(gA, 0, 2)))  # fmt: skip
         gB = cute.local_tile(mB, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), sB_, cute.group_modes(gB, 0, 2))
+        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
+                                           cute.group_modes(gB, 0, 2))  # fmt: skip
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        expert, shared = visit_expert(mOff, num_experts, lane, first_tile, sched, self.along_m)
+        expert, shared, rows = self.visit_expert_rows(mOff, mCnt, num_experts, lane, first_tile, sched)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = visit_coords(tile, sched, self.along_m)
-            next_expert, next_shared = expert, shared
+            next_expert, next_shared, next_rows = expert, shared, rows
+            box, stage_bytes = self.a_box_of(rows)
             for k_tile in cutlass.range(k_tiles, unroll=1):
-                ab_pipe.producer_acquire(state)
+                if cutlass.const_expr(len(self.a_boxes) > 1):
+                    ab_pipe.sync_object_empty.wait(state.index, state.phase)
+                    ab_pipe.sync_object_full.arrive_and_expect_tx(state.index, stage_bytes)
+                else:
+                    ab_pipe.producer_acquire(state)
                 barrier = ab_pipe.producer_get_barrier(state)
+                for i in cutlass.range_constexpr(len(self.a_boxes)):
+                    tAsA, tAgA = a_parts[i]
+                    src, dst = tAgA[(None, m_tile * (TILE_M // self.a_boxes[i]), k_tile)], tAsA[(None, state.index)]
+                    if cutlass.const_expr(len(self.a_boxes) > 1):
+                        if box == i:
+                            cute.copy(tma_a[i], src, dst, tma_bar_ptr=barrier, **a_mcast)
+                    else:
+                        cute.copy(tma_a[i], src, dst, tma_bar_ptr=barrier, **a_mcast)
                 if cutlass.const_expr(self.along_m):
-                    cute.copy(tma_a, tAgA[(None, m_tile, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier)
                     if shared:
                         cute.copy(tma_b_pair, tBgB_pair[(None, n_tile, k_tile, expert)], tBsB_pair[(None, state.index)],
                                   tma_bar_ptr=barrier, mcast_mask=mcast_mask)  # fmt: skip
@@ -313,18 +360,41 @@ class GroupedGemmFp8Sm90:
                         cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
                                   tma_bar_ptr=barrier)  # fmt: skip
                 else:
-                    cute.copy(tma_a, tAgA[(None, m_tile, k_tile)], tAsA[(None, state.index)], tma_bar_ptr=barrier,
-                              mcast_mask=mcast_mask)  # fmt: skip
                     cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
                               tma_bar_ptr=barrier)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
                 if k_tile == 0:
-                    # The next visit's expert, looked up while this visit's first stage is in flight.
-                    next_expert, next_shared = visit_expert(mOff, num_experts, lane, tile + tile_stride, sched,
-                                                           self.along_m)
-            expert, shared = next_expert, next_shared
+                    # The next visit's expert and real rows, looked up while this visit's first stage
+                    # is in flight.
+                    next_expert, next_shared, next_rows = self.visit_expert_rows(mOff, mCnt, num_experts, lane,
+                                                                                 tile + tile_stride, sched)  # fmt: skip
+            expert, shared, rows = next_expert, next_shared, next_rows
         ab_pipe.producer_tail(state)
+
+    @cute.jit
+    def a_box_of(self, rows):
+        """(index into A_BOX_ROWS of the first box at or above ``rows``, the stage's expected bytes
+        with it), warp-uniform; (0, unused) with one box."""
+        box = Int32(0)
+        stage_bytes = Int32((self.a_boxes[0] + TILE_N) * TILE_K)
+        for i in cutlass.range_constexpr(1, len(self.a_boxes)):
+            taller = Int32(rows > self.a_boxes[i - 1])
+            box += taller
+            stage_bytes += taller * ((self.a_boxes[i] - self.a_boxes[i - 1]) * TILE_K)
+        return cute.arch.make_warp_uniform(box), cute.arch.make_warp_uniform(stage_bytes)
+
+    @cute.jit
+    def visit_expert_rows(self, mOff, mCnt, num_experts, lane, tile, sched):
+        """(expert, shared, real rows) of visit ``tile``: ``visit_expert``, and with A boxes the
+        tile's real rows (``expert_and_rows``, same round trip; may be <= 0 or > TILE_M); otherwise
+        every tile is taken as full."""
+        if cutlass.const_expr(len(self.a_boxes) > 1):
+            m_tile, _ = visit_coords(tile, sched, self.along_m)
+            expert, rows = expert_and_rows(mOff, mCnt, m_tile * TILE_M, num_experts, lane)
+            return expert, Int32(0) != 0, rows
+        expert, shared = visit_expert(mOff, num_experts, lane, tile, sched, self.along_m)
+        return expert, shared, Int32(TILE_M)
 
     @cute.jit
     def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, mC, math_tidx, sched):
