@@ -336,6 +336,22 @@ def test_grouped_gemm_fp8_with_expert_counts(case, variant):
     check_output(c, p, padding_unspecified=True)
 
 
+@VARIANTS
+def test_grouped_gemm_fp8_with_expert_counts_over_padded_segments(variant):
+    """Segments padded past their count's next multiple of 128 (a direct call may size them so):
+    an expert with no real rows in a 128-row segment, one with 5 in 512 rows (three tiles with no
+    real row, where the w13 variant loads 16 of A's rows), one full.  Real rows as the reference."""
+    offsets = torch.tensor([0, 128, 640, 768], dtype=torch.int32, device="cuda")
+    real = torch.zeros(896, dtype=torch.bool, device="cuda")
+    real[128:133] = True
+    real[640:768] = True
+    p = make_problem(3, 384, 4096, Routing(offsets, real, 896), seed=35)
+    counts = torch.tensor([0, 5, 128], dtype=torch.int32, device="cuda")
+    poison_pools(256 << 20)
+    c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
+    check_output(c, p, padding_unspecified=True)
+
+
 @pytest.mark.parametrize("case", ["dsv3_w2_E256_decode", "dsv3_w13_E8_ragged"])
 @VARIANTS
 def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, variant):
