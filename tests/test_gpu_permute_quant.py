@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cute_moe.compiler import arch_of_device
+from cute_moe.kernels import permute_quant as permute_quant_module
 from cute_moe.kernels.permute_quant import (
     TOKEN_SCALES_MIN_TOKENS,
     compile_permute,
@@ -203,6 +204,19 @@ def test_permute_quant_token_scales_in_two_launches(routing, zero_padding):
     assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, None), _end(offsets), exact_codes=True)
     _assert_padding_zero(a, s, row_to_token, offsets, None)
     assert_past_end_untouched(a, s, _end(offsets))
+
+
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("hidden", [3584, 7168])
+def test_permute_quant_two_launches_through_the_launch_function(monkeypatch, hidden, scale_fmt):
+    """The two-launch path as permute_quant_cuda takes it, forced at T=128 (TOKEN_SCALES_MIN_TOKENS
+    lowered): its token-scale scratch has H / 128 groups rounded up to 8 columns (H = 3584: 28 of
+    32, the scatter's last tile partial and 4 columns never written), padding rows zeroed with the
+    format's all-zero scale."""
+    monkeypatch.setattr(permute_quant_module, "TOKEN_SCALES_MIN_TOKENS", 1)
+    offsets, row_to_token, token_to_row = _maps("ragged", 128, seed=43)
+    x = random_activations(128, hidden, torch.bfloat16, seed=43)
+    _check_quant("token-major", x, row_to_token, offsets, scale_fmt, token_to_row)
 
 
 @pytest.mark.parametrize("way", WAYS)

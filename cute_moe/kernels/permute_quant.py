@@ -45,7 +45,8 @@ Token-major mapping (``TokenPermuteQuantKernel``, ``permute_quant`` given
 ``token_to_row [T, k]``, the inverse map ``align`` returns: ``token_to_row[t, j]
 = r`` exactly when ``row_to_token[r] = t``; -1 = expert not local): each token
 row of x is read once and quantized once, and its codes and scales are stored to
-each of its ``k`` rows.  One launch, a 1-D grid of two kinds of CTAs:
+each of its ``k`` rows.  One launch of a 1-D grid of two kinds of CTAs (and from
+``TOKEN_SCALES_MIN_TOKENS`` tokens on a second, ``ScaleScatterKernel``, for the scales):
 
 * gathering CTAs, ``ceil(H / 2048) * T`` of them, column slabs fastest: each
   takes one slab of 16 group columns (2048 columns) of one token, 16 lanes per
@@ -80,7 +81,8 @@ The two kinds write disjoint rows when the maps are each other's inverse (rows
 named by neither stay unwritten).  Bytes: x read once, every row ``< end``
 written once (routed rows' codes and scales, padding rows' zeros), plus
 ``row_to_token`` read once per slab and ``token_to_row`` by every thread of a
-gathering CTA (from L1).
+gathering CTA (from L1); in two launches also the ``[T, H / 128 rounded up to 8]``
+f32 scratch written and read once and ``row_to_token`` read again.
 
 Constraints (``can_implement``): x bf16/fp16 (``permute_quant``), a_in
 float8_e4m3fn (``permute``); H a multiple of 128; unit column stride with a
@@ -577,8 +579,10 @@ def permute_quant_cuda(
     if x.shape[0] == 0:  # no token: one placeholder token routed nowhere (the zeroing CTAs, if any, still run)
         t2r = t2r.new_full((1, k), -1)
     token_scales = x.shape[0] >= TOKEN_SCALES_MIN_TOKENS
-    padded_groups = -(-hidden // GROUP // ScaleScatterKernel.groups_per_thread) * ScaleScatterKernel.groups_per_thread
-    scales_out = a_scale.new_empty(x.shape[0], padded_groups) if token_scales else a_scale
+    scales_out = a_scale
+    if token_scales:
+        per_thread = ScaleScatterKernel.groups_per_thread
+        scales_out = a_scale.new_empty(x.shape[0], -(-hidden // GROUP // per_thread) * per_thread)
     compile_permute_quant_tokens(x.dtype, ue8m0, k, arch, False, zero_padding, token_scales)(
         _nonempty_rows(x), t2r, row_to_token, expert_offsets, a.view(torch.uint8), a_scale, scales_out
     )
