@@ -13,7 +13,9 @@ Targets: <= 15 µs per op (issue 5), <= 10 µs for grouped_gemm_fp8 (issue 3).
 Eager calls go through the launch memo (``cute_moe/launch_memo.py``): after the first call with
 given argument metadata, a call is replayed in C++.  Each round times every op with the memo on
 and off (``launch_memo.set_enabled``), back to back; the table gives each path's minimum over the
-rounds (this host's timings drift by tens of percent between runs).  ``fused_moe (small)`` is a
+rounds (this host's timings drift by tens of percent between runs).  "Off" still passes each call
+through the memo's dispatcher kernel and compiled-kernel wrapper, so it is somewhat slower than the
+ops' Python path was before the memo (the memo's gain is overstated by that much).  ``fused_moe (small)`` is a
 whole eager layer at T=1 (H=512, I=256, E=16, top-4): its seven steps through the memo.
 
 Each row also gives the op's GPU time per call (back-to-back in a CUDA graph): a host time at or

@@ -40,6 +40,7 @@ import functools
 import hashlib
 import importlib.machinery
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -68,7 +69,12 @@ class _Sentinel:
 
 MISS = _Sentinel("MISS")  # lookup: metadata not seen yet, record the call
 SKIP = _Sentinel("SKIP")  # lookup: calls with this metadata cannot be replayed, run the Python path
-_tls = threading.local()  # .recorder: the _Recorder of a call being recorded on this thread
+class _ThreadState(threading.local):
+    recorder: Optional[_Recorder] = None  # the _Recorder of a call being recorded on this thread
+
+
+_tls = _ThreadState()
+_op_ids = itertools.count()  # plans are keyed by these: one per memoized implementation
 _ext: Any = None  # the loaded extension; False where it cannot be built or the memo is off
 _loaded: Any = None  # the loaded extension, also while the memo is switched off
 _ext_lock = threading.Lock()
@@ -232,7 +238,7 @@ class _Recorder(TorchDispatchMode):
 
 def recording() -> Optional[_Recorder]:
     """The recorder of the call running on this thread, if one is being recorded."""
-    return getattr(_tls, "recorder", None)
+    return _tls.recorder
 
 
 def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
@@ -243,7 +249,7 @@ def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
             out = impl(*args)
     finally:
         _tls.recorder = None
-    if recorder.compiled or os.environ.get("CUTE_MOE_DEBUG") == "1":
+    if recorder.compiled:
         return out  # what compiling runs says nothing about the next call: that one records
     try:
         plan = recorder.plan(args, out)
@@ -256,14 +262,15 @@ def _record(ext: Any, op_id: int, impl: Callable[..., Any], args: tuple) -> Any:
     return out
 
 
-def memoized(impl: Callable[..., Any], op_id: int, qualname: Optional[str] = None,
+def memoized(impl: Callable[..., Any], qualname: Optional[str] = None,
              dispatch_key: str = "CUDA") -> Callable[..., Any]:  # fmt: skip
-    """``impl`` (an op's CUDA implementation) behind the memo; ``op_id`` must be new for each
-    ``impl`` (plans are keyed by it).  With ``qualname`` (``"ns::name"``, the op defined already),
+    """``impl`` (an op's CUDA implementation) behind the memo, under an op id of its own (plans are
+    keyed by it).  With ``qualname`` (``"ns::name"``, the op defined already),
     calls through the dispatcher (``torch.ops.ns.name``) bound for ``dispatch_key`` are replayed
     too, by a kernel the extension registers on the op's BackendSelect key once it is loaded; the
     function returned must then be the op's kernel for that key.  That registration lasts as long
     as the process (a later ``memoized`` of the same name replaces it)."""
+    op_id = next(_op_ids)
     if qualname is not None:
         with _ext_lock:
             _dispatched[qualname] = (op_id, dispatch_key)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import itertools
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -96,7 +95,7 @@ class _Op:
         def register(impl: Callable[..., Any]) -> Callable[..., Any]:
             kernel = impl
             if device_type == "cuda":
-                kernel = launch_memo.memoized(impl, next(_OP_IDS), f"{_NS}::{self.name}")
+                kernel = launch_memo.memoized(impl, f"{_NS}::{self.name}")
             _LIB.impl(self.name, kernel, device_type.upper())
             self.kernels[device_type] = kernel
             return impl
@@ -140,7 +139,6 @@ def call(name: str, *args: Any) -> Any:
 
 
 _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined
-_OP_IDS = itertools.count()  # the launch memo's op ids: one per registered implementation
 
 
 @functools.cache

@@ -5,7 +5,6 @@ numpy (no aten op, so the recorder sees only what the op's host code does), call
 from __future__ import annotations
 
 import ctypes
-import itertools
 
 import numpy as np
 import pytest
@@ -16,7 +15,6 @@ from cute_moe.compiler import CompiledKernel
 
 tvm_ffi = pytest.importorskip("tvm_ffi")
 
-_ids = itertools.count(1000)  # op ids of their own: the real ops use the small ones
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,7 +71,7 @@ def _entries():
 
 
 def _memo(impl):
-    return launch_memo.memoized(impl, next(_ids))
+    return launch_memo.memoized(impl)
 
 
 def test_replay_computes_on_new_data_into_new_outputs():
@@ -333,7 +331,7 @@ _TEST_LIB = torch.library.Library("cute_moe_memo_test", "DEF")
 def _dispatched_op(name, schema, impl):
     calls = []
     _TEST_LIB.define(name + schema)
-    memo = launch_memo.memoized(impl, next(_ids), f"cute_moe_memo_test::{name}", "CPU")
+    memo = launch_memo.memoized(impl, f"cute_moe_memo_test::{name}", "CPU")
 
     def kernel(*args):
         calls.append(args)
@@ -440,7 +438,7 @@ def test_dispatcher_registration_of_a_name_again_replaces_the_first():
         return _axpy_op(x, x, 2.0)
 
     again = torch.library.Library("cute_moe_memo_test", "IMPL")
-    memo = launch_memo.memoized(triple, next(_ids), "cute_moe_memo_test::double", "CPU")
+    memo = launch_memo.memoized(triple, "cute_moe_memo_test::double", "CPU")
     with pytest.warns(UserWarning, match="Overriding a previously registered kernel"):
         again.impl("double", memo, "CPU")
     for _ in range(3):  # records under the new id, then replays: never the first plan
