@@ -403,8 +403,11 @@ class GroupedGemmFp8Sm90:
         mC, mC_direct = mC
         first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
         thr_mma = tiled_mma.get_slice(math_tidx)
-        tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+        # A warp group's operand descriptors depend on its index only: taken from a warp-uniform
+        # slice they stay on the uniform datapath (no R2UR per WGMMA).
+        thr_mma_wg = tiled_mma.get_slice(cute.arch.make_warp_uniform(math_tidx // 128) * 128)
+        tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
         tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
         acc = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp0 = cute.make_rmem_tensor(tCcC.shape, Float32)
