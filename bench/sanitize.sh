@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# compute-sanitizer over small GPU test cases that reach every kernel and variant:
+#   DSL=$(bash .device/use-cute-dsl.sh) || exit 3; export PYTHONPATH=$PWD:$DSL
+#   bash bench/sanitize.sh [memcheck|racecheck|synccheck|initcheck]   (default memcheck)
+# Each case also checks its output against the reference.  Logs go to $OUT/<tool>.log.
+#
+# What a clean tree gives (H200, bench/NOTES.md session 17):
+# - memcheck, synccheck: 0 errors.
+# - racecheck: write-after-read reports on the sm90 GEMM's scale slots (the math warps' LDS, the
+#   scale warp's next cp.async into the same stage).  Only lanes 0 and 1 of a math warp arrive on
+#   the stage's empty barrier; the tool does not count the other lanes' earlier reads as ordered
+#   before that arrive.  The warp is converged and its reads come before the arrive in one
+#   instruction stream.  A bar.warp.sync before the arrive compiles to a NOP there and leaves the
+#   reports as they are.  Any report on another kernel or another address is new.
+# - initcheck: the tool does not see TMA stores, so it flags reads of every output a kernel stores
+#   by TMA (the GEMM's C).  Use memcheck and the tests' NaN-poisoned outputs for those.
+set -uo pipefail
+tool="${1:-memcheck}"
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
+CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+G=tests/test_gpu_grouped_gemm.py
+cases=(
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_wait]"
+  "$G::test_grouped_gemm_fp8[E32_N512_K4096_ragged-pairs_m-store_behind]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-E8_N256_K1536_decode]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-dsv3_w2_E256_decode]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_wait-E8_N384_K384_ragged]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_behind-E10_N2112_K512_sparse_edge]"
+  "$G::test_grouped_gemm_fp8_misaligned_segments_give_nan_with_counts[pairs_m-store_wait]"
+  "tests/test_gpu_permute_quant.py::test_permute_quant_token_scales_in_two_launches[ragged-True]"
+  "tests/test_gpu_permute_quant.py::test_permute_quant_two_launches_through_the_launch_function"
+  "tests/test_gpu_permute_quant.py::test_permute_quant_h_not_a_multiple_of_1024"
+  "tests/test_gpu_permute_quant.py::test_permute_quant_token_major_expert_parallel"
+  "tests/test_gpu_silu_mul_quant.py::test_silu_counts_skip_padding"
+  "tests/test_gpu_silu_mul_quant.py::test_silu_no_rows_and_strided_h"
+  "tests/test_gpu_finalize.py::test_finalize_large_topk"
+  "tests/test_gpu_finalize.py::test_moe_reduce_large_topk"
+  "tests/test_gpu_route.py::test_route_odd_expert_counts"
+  "tests/test_gpu_route.py::test_route_wide_topk"
+  "tests/test_gpu_align.py::test_align_expert_parallel_shards"
+  "tests/test_gpu_quant_fp8.py::test_quant_fp8_strided_rows"
+  "tests/test_gpu_fill_kv_cache_fp8.py::test_unwritable_tokens_are_skipped"
+  "tests/test_gpu_fused_moe.py::test_fused_moe_matches_reference[qwen3_30b_a3b-5]"
+  "tests/test_gpu_fused_moe.py::test_fused_moe_gate_second_and_ue8m0_scales"
+)
+extra=()
+case "$tool" in
+  racecheck) extra=(--racecheck-report hazard) ;;
+  initcheck) export PYTORCH_NO_CUDA_MEMORY_CACHING=1 ;;  # fresh allocations, so unwritten memory shows
+esac
+# --report-api-errors no: the driver's entry-point probing at start-up is not a kernel error.
+"$CS" --tool "$tool" "${extra[@]}" --report-api-errors no --error-exitcode 9 --print-limit 50 \
+  --log-file "$OUT/$tool.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${cases[@]}" 2>&1 | tail -3
+rc=${PIPESTATUS[0]}
+grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1
+exit "$rc"
