@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # compute-sanitizer over small GPU test cases that reach every kernel and variant:
 #   DSL=$(bash .device/use-cute-dsl.sh) || exit 3; export PYTHONPATH=$PWD:$DSL
-#   bash bench/sanitize.sh [memcheck|racecheck|synccheck|initcheck]   (default memcheck)
-# Each case also checks its output against the reference.  Logs go to $OUT/<tool>.log.
+#   bash bench/sanitize.sh [memcheck|racecheck|synccheck|initcheck] [pytest node ids...]
+# (default memcheck, over the cases below; memcheck takes ~2 minutes on the H200, racecheck and
+# initcheck several times that: give them a few node ids).  Each case also checks its output
+# against the reference.  Logs go to $OUT/<tool>.log.
 #
 # What a clean tree gives (H200, bench/NOTES.md session 17):
 # - memcheck, synccheck: 0 errors.
@@ -16,6 +18,7 @@
 #   by TMA (the GEMM's C).  Use memcheck and the tests' NaN-poisoned outputs for those.
 set -uo pipefail
 tool="${1:-memcheck}"
+shift || true
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 G=tests/test_gpu_grouped_gemm.py
@@ -43,6 +46,7 @@ cases=(
   "tests/test_gpu_fused_moe.py::test_fused_moe_matches_reference[qwen3_30b_a3b-5]"
   "tests/test_gpu_fused_moe.py::test_fused_moe_gate_second_and_ue8m0_scales"
 )
+if [ "$#" -gt 0 ]; then cases=("$@"); fi
 extra=()
 case "$tool" in
   racecheck) extra=(--racecheck-report hazard) ;;
@@ -52,5 +56,5 @@ esac
 "$CS" --tool "$tool" "${extra[@]}" --report-api-errors no --error-exitcode 9 --print-limit 50 \
   --log-file "$OUT/$tool.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${cases[@]}" 2>&1 | tail -3
 rc=${PIPESTATUS[0]}
-grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1
+grep -sE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1
 exit "$rc"
