@@ -1,29 +1,41 @@
 #!/usr/bin/env bash
-# compute-sanitizer over small GPU test cases that reach every kernel and variant:
+# compute-sanitizer over small GPU test cases: every kernel, and the sm90 GEMM's compile variants
+# (with and without expert counts, pairs along N and M, store-wait and store-behind epilogues):
 #   DSL=$(bash .device/use-cute-dsl.sh) || exit 3; export PYTHONPATH=$PWD:$DSL
-#   bash bench/sanitize.sh [memcheck|racecheck|synccheck|initcheck] [pytest node ids...]
-# (default memcheck, over the cases below; memcheck takes ~2 minutes on the H200, racecheck and
-# initcheck several times that: give them a few node ids).  Each case also checks its output
-# against the reference.  Logs go to $OUT/<tool>.log.
+#   bash bench/sanitize.sh TOOL [pytest node ids...]      (from the repository root)
+# TOOL: memcheck, racecheck, synccheck or initcheck.  Without node ids, the cases below; memcheck
+# takes ~2 minutes on the H200, the other tools several times that: give them a few node ids.
+# Each case also checks its output against the reference.  $OUT/<tool>.log holds the tool's
+# report, $OUT/<tool>.txt pytest's output.
 #
-# What a clean tree gives (H200, bench/NOTES.md session 17):
-# - memcheck, synccheck: 0 errors.
-# - racecheck: write-after-read reports on the sm90 GEMM's scale slots (the math warps' LDS, the
-#   scale warp's next cp.async into the same stage).  Only lanes 0 and 1 of a math warp arrive on
-#   the stage's empty barrier; the tool does not count the other lanes' earlier reads as ordered
-#   before that arrive.  The warp is converged and its reads come before the arrive in one
-#   instruction stream.  A bar.warp.sync before the arrive compiles to a NOP there and leaves the
-#   reports as they are.  Any report on another kernel or another address is new.
+# What session 17 saw (bench/NOTES.md), on the cases named there:
+# - memcheck: 0 errors over this list, less the two E32_N256_K1536_empty cases of pairs_n-store_behind
+#   and pairs_m-store_wait, added after the run.
+# - synccheck: 0 errors on the GEMM (counts, pairs along M, store-behind) and permute_quant's
+#   two launches; the other kernels were not run under it.
+# - racecheck, on the GEMM and permute_quant only: write-after-read reports on the sm90 GEMM's
+#   scale slots (the math warps' LDS, the scale warp's next cp.async into the same stage).  Only
+#   lanes 0 and 1 of a math warp arrive on the stage's empty barrier; the tool does not count the
+#   other lanes' earlier reads as ordered before that arrive.  The warp is converged and its reads
+#   come before the arrive in one instruction stream; a bar.warp.sync before the arrive compiles
+#   to a NOP there and leaves the reports as they are.  These reports make racecheck exit 9: read
+#   the log, a report on another kernel or address is new.
 # - initcheck: the tool does not see TMA stores, so it flags reads of every output a kernel stores
-#   by TMA (the GEMM's C).  Use memcheck and the tests' NaN-poisoned outputs for those.
+#   by TMA (the GEMM's C), and it exits 9.  With PYTORCH_NO_CUDA_MEMORY_CACHING the tests' NaN
+#   poisoning does not reach the outputs either: this tool checks the other kernels' reads only.
 set -uo pipefail
-tool="${1:-memcheck}"
-shift || true
+tool="${1:-}"
+case "$tool" in
+  memcheck|racecheck|synccheck|initcheck) shift ;;
+  *) echo "usage: bash bench/sanitize.sh memcheck|racecheck|synccheck|initcheck [pytest node ids...]" >&2; exit 2 ;;
+esac
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 G=tests/test_gpu_grouped_gemm.py
 cases=(
   "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_wait]"
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_behind]"
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_m-store_wait]"
   "$G::test_grouped_gemm_fp8[E32_N512_K4096_ragged-pairs_m-store_behind]"
   "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-E8_N256_K1536_decode]"
   "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-dsv3_w2_E256_decode]"
@@ -52,9 +64,11 @@ case "$tool" in
   racecheck) extra=(--racecheck-report hazard) ;;
   initcheck) export PYTORCH_NO_CUDA_MEMORY_CACHING=1 ;;  # fresh allocations, so unwritten memory shows
 esac
+rm -f "$OUT/$tool.log"
 # --report-api-errors no: the driver's entry-point probing at start-up is not a kernel error.
 "$CS" --tool "$tool" "${extra[@]}" --report-api-errors no --error-exitcode 9 --print-limit 50 \
-  --log-file "$OUT/$tool.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${cases[@]}" 2>&1 | tail -3
-rc=${PIPESTATUS[0]}
+  --log-file "$OUT/$tool.log" python3 -m pytest -q -m gpu -p no:cacheprovider "${cases[@]}" > "$OUT/$tool.txt" 2>&1
+rc=$?
+tail -3 "$OUT/$tool.txt"
 grep -sE "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/$tool.log" | tail -1
 exit "$rc"
