@@ -20,6 +20,7 @@ CUDA implementations, never from their fake (meta) implementations.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any, NoReturn, Optional
@@ -69,6 +70,8 @@ KV_LAYOUTS = ("bshd", "bhsd")
 _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_ACT = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32,)
+_INT32_MAX = 2**31 - 1  # the kernels index rows, experts and offsets in int32
+_GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32
 # Tensor types whose data_ptr() is a real address: a Parameter built from a fake tensor has the
 # fake tensor's type, not Parameter.
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -312,6 +315,8 @@ def check_routing_config(
     check_int(op, "n_group", n_group, min=1)
     check_int(op, "topk_group", topk_group, min=1)
     check_float(op, "routed_scaling_factor", routed_scaling_factor)
+    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+        _fail(op, f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
     if has_bias and method != "deepseek_v3":
         _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
     if method != "deepseek_v3":
@@ -388,14 +393,18 @@ def validate_align(
 ) -> None:
     op = "align"
     _tensor(op, "topk_ids", topk_ids, _INDEX, 2, "[T, k]")
-    check_int(op, "num_experts", num_experts, min=1)
-    check_int(op, "alignment", alignment, min=1)
+    check_int(op, "num_experts", num_experts, min=1, max=_INT32_MAX, max_what="2**31 - 1")
+    check_int(op, "alignment", alignment, min=1, max=_INT32_MAX, max_what="2**31 - 1")
     if num_local_experts is not None:
         check_int(op, "num_local_experts", num_local_experts, min=1)
     e_local = num_experts if num_local_experts is None else num_local_experts
     _check_expert_range(op, expert_offset, e_local, num_experts, "num_local_experts", "num_experts")
     if topk_ids.shape[1] > num_experts:
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= num_experts = {num_experts}, got {topk_ids.shape[1]}")
+    T, k = topk_ids.shape
+    if T * k + min(T * k, e_local) * (alignment - 1) > _INT32_MAX:  # reference.m_cap, before its rounding
+        _fail(op, f"the padded row count T*k + min(T*k, E_local)*(alignment - 1) must fit in int32, got T = {T}, "
+                  f"k = {k}, E_local = {e_local}, alignment = {alignment}")  # fmt: skip
 
 
 def _check_permute_maps(op: str, row_to_token: Tensor, expert_offsets: Tensor) -> None:
@@ -467,7 +476,8 @@ def _check_gemm(
         assert a_scale is not None
         _tensor(op, asn, a_scale, torch.float32, 2, "[M, K/128]", last_dim_contiguous=False)
         check_shape(op, asn, a_scale, (a.shape[0], Kb // ACT_GROUP_SIZE), "[M, K/128]")
-    _tensor(op, bsn, b_scale, torch.float32, 3, "[E, ceil(N/128), K/128]", last_dim_contiguous=False)
+    # A unit last stride: the [E, N/128, K/128] weight_scale_inv layout the kernels load from.
+    _tensor(op, bsn, b_scale, torch.float32, 3, "[E, ceil(N/128), K/128]")
     check_shape(op, bsn, b_scale, (Eb, _cdiv(Nb, ACT_GROUP_SIZE), Kb // ACT_GROUP_SIZE), "[E, ceil(N/128), K/128]")
     return Eb, Nb, Kb
 
@@ -546,12 +556,16 @@ def _check_moe_weights(
     act_scale_fmt: Optional[str],
 ) -> int:
     """x and the expert weights of a fused MoE layer. Returns E_local."""
-    _tensor(op, "x", x, torch.bfloat16, 2, "[T, H]")
+    _tensor(op, "x", x, torch.bfloat16, 2, "[T, H]", tma=True)
     H = x.shape[1]
     check_divisible(op, "H (x.shape[1])", H, ACT_GROUP_SIZE)
+    if H == 0:
+        _fail(op, f"H (x.shape[1]) must be >= {ACT_GROUP_SIZE}, got 0")
     E, two_i, _ = _check_gemm(op, None, None, w13, w13_scale, ("", "", "w13", "w13_scale"), K=H)
     if two_i % (2 * ACT_GROUP_SIZE) != 0:
         _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {two_i}")
+    if two_i == 0:
+        _fail(op, f"w13.shape[1] = 2I must have I >= {ACT_GROUP_SIZE}, got 2I = 0")
     _check_gemm(op, None, None, w2, w2_scale, ("", "", "w2", "w2_scale"), K=two_i // 2, N=H, E=E)
     check_bool(op, "gate_first", gate_first)
     check_scale_fmt(op, "act_scale_fmt", act_scale_fmt)
@@ -571,9 +585,13 @@ def validate_fused_moe_routed(
     act_scale_fmt: Optional[str] = None,
 ) -> None:
     op = "fused_moe_routed"
-    _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
+    e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
     _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
-    check_int(op, "expert_offset", expert_offset, min=0)
+    check_int(op, "expert_offset", expert_offset, min=0, max=_INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
+    if x.is_cuda and topk_ids.shape[1] > _GPU_MAX_TOPK:
+        # Checked here, not by finalize at the end, so that nothing has launched yet.
+        _fail(op, f"top_k (topk_ids.shape[1]) must be <= {_GPU_MAX_TOPK} on the GPU, got {topk_ids.shape[1]}",
+              NotImplementedError)  # fmt: skip
     check_same_device(
         op, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale
     )
@@ -659,6 +677,8 @@ def _check_kv_side(
     what = "[num_blocks, block_size, H_kv, D]" if layout == "bshd" else "[num_blocks, H_kv, block_size, D]"
     _tensor(op, cn, cache, FP8_DTYPE, 4, f"{what} (layout={layout!r})")
     nb, bs, ch, cd = _kv_cache_shape(layout, cache)
+    if bs < 1:
+        _fail(op, f"{cn} must have block_size >= 1 in layout {layout!r} {what}, got shape {_shape(cache)}")
     if (ch, cd) != (H_kv, D):
         _fail(
             op,
@@ -673,7 +693,17 @@ def _check_kv_side(
     _tensor(op, scn, scale_cache, torch.float32, 4, f"{what} with D/group_size (layout={layout!r})")
     sexp = (nb, bs, H_kv, D // group_size) if layout == "bshd" else (nb, H_kv, bs, D // group_size)
     check_shape(op, scn, scale_cache, sexp, f"{cn}.shape with last dim D/group_size")
+    for name, t in ((cn, cache), (scn, scale_cache)):
+        _check_no_self_overlap(op, name, t)
     return N, nb, bs
+
+
+def _check_no_self_overlap(op: str, name: str, t: Tensor) -> None:
+    """A written tensor must not map two elements to one address (an ``expand``ed view): the
+    kernels would race on them.  Only tensors with a zero stride get the full check (one C call)."""
+    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)) and torch._debug_has_internal_overlap(t) == 1:
+        _fail(op, f"{name} must not have overlapping elements (a zero stride, e.g. from expand), got strides "
+                  f"{tuple(t.stride())} for shape {_shape(t)}")  # fmt: skip
 
 
 def validate_fill_kv_cache_fp8(
@@ -711,6 +741,10 @@ def validate_fill_kv_cache_fp8(
             op, layout, group_size, v_states, v_cache, v_scale_cache, ("v_states", "v_cache", "v_scale_cache"), ref
         )
         check_dtype(op, "v_states", v_states, k_states.dtype)
+        for kn, kt, vn, vt in (("k_cache", k_cache, "v_cache", v_cache),
+                               ("k_scale_cache", k_scale_cache, "v_scale_cache", v_scale_cache)):  # fmt: skip
+            if vt.numel() and type(vt) in _PLAIN and not vt.is_meta and vt.data_ptr() == kt.data_ptr():
+                _fail(op, f"{vn} must not be {kn}'s memory (the V side would overwrite the K side)")
         if v_states.shape[1] != k_states.shape[1]:
             _fail(
                 op,

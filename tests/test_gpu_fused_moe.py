@@ -415,6 +415,18 @@ def test_fused_moe_routed_equals_fused_moe():
     assert torch.equal(layer.forward_routed(x, ids, wts), want)
 
 
+def test_fused_moe_routed_refuses_top_k_over_32_before_launching():
+    """finalize's kernel takes k <= 32: fused_moe_routed says so up front, not after the GEMMs ran."""
+    fp8 = torch.float8_e4m3fn
+    x = torch.randn(2, 128, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (2, 33), device="cuda", dtype=torch.int32)
+    wts = torch.rand(2, 33, device="cuda")
+    w13, s13 = torch.randn(4, 256, 128, device="cuda").to(fp8), torch.rand(4, 2, 1, device="cuda")
+    w2, s2 = torch.randn(4, 128, 128, device="cuda").to(fp8), torch.rand(4, 1, 1, device="cuda")
+    with pytest.raises(NotImplementedError, match=r"fused_moe_routed: top_k \(topk_ids\.shape\[1\]\) must be <= 32 on"):
+        cute_moe.fused_moe_routed(x, ids, wts, w13, s13, w2, s2)
+
+
 # ----------------------------------------------------------------------------- CUDA graphs
 
 

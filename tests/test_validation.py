@@ -118,6 +118,10 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             ValueError,
             r"topk_group must be <= n_group = 4, got 5",
         ),
+        (lambda g: {"routed_scaling_factor": float("nan")}, ValueError, r"routed_scaling_factor must be finite and > 0"),
+        (lambda g: {"routed_scaling_factor": 0.0}, ValueError, r"routed_scaling_factor must be finite and > 0, got 0\.0"),
+        (lambda g: {"routed_scaling_factor": -2.5}, ValueError, r"routed_scaling_factor must be finite and > 0"),
+        (lambda g: {"routed_scaling_factor": float("inf")}, ValueError, r"routed_scaling_factor must be finite"),
         (
             lambda g: {"method": "deepseek_v3", "n_group": 4, "top_k": 5},
             ValueError,
@@ -139,6 +143,9 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"topk_ids": g["topk_ids"].flatten()}, ValueError, r"topk_ids must be 2-D \[T, k\]"),
         (lambda g: {"num_experts": 0}, ValueError, r"num_experts must be >= 1"),
         (lambda g: {"alignment": 0}, ValueError, r"alignment must be >= 1"),
+        (lambda g: {"num_experts": 2**31}, ValueError, r"num_experts must be <= 2\*\*31 - 1"),
+        (lambda g: {"alignment": 2**31}, ValueError, r"alignment must be <= 2\*\*31 - 1"),
+        (lambda g: {"alignment": 2**30}, ValueError, r"the padded row count .* must fit in int32"),
         (lambda g: {"expert_offset": -1}, ValueError, r"expert_offset must be >= 0, got -1"),
         (
             lambda g: {"expert_offset": 4, "num_local_experts": 8},
@@ -189,6 +196,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"a_in": _r(T, 64, dtype=FP8)}, ValueError, r"H \(a_in\.shape\[1\]\) must be divisible by 128"),
     ],
     "grouped_gemm_fp8": [
+        (
+            lambda g: {"b_scale": torch.rand(E, 1, 4)[:, :, ::2]},
+            ValueError,
+            r"b_scale must have a contiguous last dimension",
+        ),
         (
             lambda g: {"b": g["b"].bfloat16()},
             TypeError,
@@ -280,6 +292,15 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"expert_offset": -1}, ValueError, r"expert_offset must be >= 0"),
         (lambda g: {"act_scale_fmt": "e4m3"}, ValueError, r"act_scale_fmt must be one of None, 'ue8m0'"),
         (lambda g: {"x": _r(T, 192)}, ValueError, r"H \(x\.shape\[1\]\) must be divisible by 128"),
+        (lambda g: {"x": _r(T, 0)}, ValueError, r"H \(x\.shape\[1\]\) must be >= 128, got 0"),
+        (
+            lambda g: {"w13": _r(2, 0, H, dtype=FP8), "w13_scale": torch.rand(2, 0, 2), "w2": _r(2, H, 0, dtype=FP8),
+                       "w2_scale": torch.rand(2, 2, 0)},
+            ValueError,
+            r"w13\.shape\[1\] = 2I must have I >= 128, got 2I = 0",
+        ),
+        (lambda g: {"w13_scale": torch.rand(2, 2, 4)[:, :, ::2]}, ValueError, r"w13_scale must have a contiguous last"),
+        (lambda g: {"expert_offset": 2**31 - 2}, ValueError, r"expert_offset must be <= 2\*\*31 - 1 - E_local = 2147483645"),
     ],
     "fused_moe": [
         (lambda g: {"num_experts": 16}, ValueError, r"num_experts must equal router_logits\.shape\[1\] = 8"),
@@ -331,6 +352,19 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         ),
         (lambda g: {"cu_seqlens_q": g["cu_seqlens_q"].long()}, TypeError, r"cu_seqlens_q must be int32"),
         (lambda g: {"k_states": g["k_states"][0]}, ValueError, r"k_states must be 3-D \[N_tok, H_kv, D\]"),
+        (
+            lambda g: {"k_cache": _r(4, 0, 2, 128, dtype=FP8), "v_cache": _r(4, 0, 2, 128, dtype=FP8),
+                       "k_scale_cache": torch.rand(4, 0, 2, 1), "v_scale_cache": torch.rand(4, 0, 2, 1)},
+            ValueError,
+            r"k_cache must have block_size >= 1",
+        ),
+        (
+            lambda g: {"k_cache": _r(1, 1, 2, 128, dtype=FP8).expand(4, 4, 2, 128)},
+            ValueError,
+            r"k_cache must not have overlapping elements \(a zero stride",
+        ),
+        (lambda g: {"v_cache": g["k_cache"]}, ValueError, r"v_cache must not be k_cache's memory"),
+        (lambda g: {"v_scale_cache": g["k_scale_cache"]}, ValueError, r"v_scale_cache must not be k_scale_cache's"),
         (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt must be one of"),
     ],
 }
