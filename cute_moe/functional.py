@@ -112,7 +112,7 @@ def route(
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.
         n_group, topk_group: grouped top-k (``deepseek_v3`` only; 1 otherwise). ``E % n_group == 0``,
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
-        routed_scaling_factor: multiplies the final weights (every method).
+        routed_scaling_factor: multiplies the final weights (every method); finite and > 0.
 
     Returns:
         ``(topk_ids, topk_weights)``: int32 ``[T, top_k]`` and f32 ``[T, top_k]``, each row in
@@ -214,7 +214,7 @@ def grouped_gemm_fp8(
         a_scale: ``[M_cap, K/128]`` f32 (1x128 blocks); the CUDA kernel needs it MN-major (strides
             ``(1, M_cap)``, as permute_quant and silu_mul_quant write it), the CPU takes any strides.
         b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
-        b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks).
+        b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks), unit last stride.
         expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])`` (``off[0]`` is
             normally 0; rows before it are unspecified, like rows ``>= off[-1]``).
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
@@ -305,14 +305,16 @@ def fused_moe_routed(
     align -> permute_quant -> grouped_gemm_fp8(w13) -> silu_mul_quant -> grouped_gemm_fp8(w2) -> finalize.
 
     Args:
-        x: ``[T, H]`` bf16, ``H % 128 == 0``.
+        x: ``[T, H]`` bf16, ``H % 128 == 0``, ``H >= 128``; on the GPU rows 16-byte aligned.
         topk_ids: ``[T, k]`` int32 global expert ids; ids outside
             ``[expert_offset, expert_offset + E_local)`` are not local and contribute nothing.
+            On the GPU ``k <= 32`` (``NotImplementedError`` otherwise, before any launch).
         topk_weights: ``[T, k]`` f32.
-        w13: ``[E_local, 2I, H]`` float8_e4m3fn (gate rows first when ``gate_first``), ``I % 128 == 0``.
-        w13_scale: ``[E_local, 2I/128, H/128]`` f32.
+        w13: ``[E_local, 2I, H]`` float8_e4m3fn (gate rows first when ``gate_first``), ``I % 128 == 0``,
+            ``I >= 128``.
+        w13_scale: ``[E_local, 2I/128, H/128]`` f32, unit last stride.
         w2: ``[E_local, H, I]`` float8_e4m3fn.
-        w2_scale: ``[E_local, H/128, I/128]`` f32.
+        w2_scale: ``[E_local, H/128, I/128]`` f32, unit last stride.
         expert_offset: first global expert id owned by this rank.
         gate_first: half order of w13's output (see :func:`silu_mul_quant`).
         act_scale_fmt: scale format of the activation quantizations (``None`` or ``"ue8m0"``).
@@ -392,8 +394,9 @@ def fill_kv_cache_fp8(
         k_states: ``[N_tok, H_kv, D]`` bf16, fp16 or f32.
         v_states: ``[N_tok, H_kv, Dv]`` (same dtype) or ``None`` (K-only cache, e.g. MLA).
         k_cache: float8_e4m3fn, ``[num_blocks, block_size, H_kv, D]`` (``"bshd"``) or
-            ``[num_blocks, H_kv, block_size, D]`` (``"bhsd"``). Mutated.
-        v_cache: same with Dv, or ``None``. Mutated.
+            ``[num_blocks, H_kv, block_size, D]`` (``"bhsd"``), ``block_size >= 1``, no two
+            elements at one address (no ``expand``). Mutated.
+        v_cache: same with Dv, or ``None``; not starting at k_cache's address. Mutated.
         k_scale_cache, v_scale_cache: f32, the cache layout with last dim ``D/group_size``. Mutated.
         cu_seqlens_q: ``[B+1]`` int32 prefix sums of the new tokens per sequence (``[-1] == N_tok``,
             not checked).

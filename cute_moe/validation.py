@@ -315,7 +315,11 @@ def check_routing_config(
     check_int(op, "n_group", n_group, min=1)
     check_int(op, "topk_group", topk_group, min=1)
     check_float(op, "routed_scaling_factor", routed_scaling_factor)
-    if not (math.isfinite(routed_scaling_factor) and routed_scaling_factor > 0):
+    try:
+        finite = math.isfinite(routed_scaling_factor)
+    except OverflowError:  # an int past the float range
+        finite = False
+    if not (finite and routed_scaling_factor > 0):
         _fail(op, f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
     if has_bias and method != "deepseek_v3":
         _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
@@ -588,7 +592,7 @@ def validate_fused_moe_routed(
     e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
     _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
     check_int(op, "expert_offset", expert_offset, min=0, max=_INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
-    if x.is_cuda and topk_ids.shape[1] > _GPU_MAX_TOPK:
+    if x.is_cuda and x.shape[0] and topk_ids.shape[1] > _GPU_MAX_TOPK:  # T = 0 launches nothing
         # Checked here, not by finalize at the end, so that nothing has launched yet.
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= {_GPU_MAX_TOPK} on the GPU, got {topk_ids.shape[1]}",
               NotImplementedError)  # fmt: skip
@@ -700,8 +704,8 @@ def _check_kv_side(
 
 def _check_no_self_overlap(op: str, name: str, t: Tensor) -> None:
     """A written tensor must not map two elements to one address (an ``expand``ed view): the
-    kernels would race on them.  Only tensors with a zero stride get the full check (one C call)."""
-    if any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape)) and torch._debug_has_internal_overlap(t) == 1:
+    kernels would race on them.  A contiguous tensor cannot; any other gets torch's check."""
+    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
         _fail(op, f"{name} must not have overlapping elements (a zero stride, e.g. from expand), got strides "
                   f"{tuple(t.stride())} for shape {_shape(t)}")  # fmt: skip
 

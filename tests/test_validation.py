@@ -122,6 +122,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"routed_scaling_factor": 0.0}, ValueError, r"routed_scaling_factor must be finite and > 0, got 0\.0"),
         (lambda g: {"routed_scaling_factor": -2.5}, ValueError, r"routed_scaling_factor must be finite and > 0"),
         (lambda g: {"routed_scaling_factor": float("inf")}, ValueError, r"routed_scaling_factor must be finite"),
+        (lambda g: {"routed_scaling_factor": 10**400}, ValueError, r"routed_scaling_factor must be finite"),
         (
             lambda g: {"method": "deepseek_v3", "n_group": 4, "top_k": 5},
             ValueError,
