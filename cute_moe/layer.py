@@ -125,12 +125,15 @@ def _check_tensor(
         _fail(where, f"{name} must have shape {what} = {list(shape)}, got {list(t.shape)}")
 
 
-def _flat(t: Any, name: str, last: str) -> tuple[Tensor, tuple[Any, ...]]:
-    """``t`` [..., last] as 2-D [tokens, last], and its leading dims."""
+def _flat(t: Any, name: str, last: str, lead: Optional[tuple[Any, ...]] = None) -> tuple[Tensor, tuple[Any, ...]]:
+    """``t`` [..., last] as 2-D [tokens, last], and its leading dims (which must equal ``lead``,
+    those of ``x``, when given)."""
     if not isinstance(t, Tensor):
         _fail("FusedMoE", f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
     if t.dim() < 2:
         _fail("FusedMoE", f"{name} must be [..., {last}] with at least 2 dims (tokens, {last}), got {list(t.shape)}")
+    if lead is not None and tuple(t.shape[:-1]) != lead:
+        _fail("FusedMoE", f"{name} must have the leading dims of x {list(lead)}, got shape {list(t.shape)}")
     return (t.flatten(0, -2) if t.dim() > 2 else t), tuple(t.shape[:-1])
 
 
@@ -233,7 +236,7 @@ class FusedMoE(torch.nn.Module):
             ``weight * expert(x)``. Under expert parallelism, sum this over the ranks.
         """
         x2, lead = _flat(x, "x", "H")
-        logits, _ = _flat(router_logits, "router_logits", "num_experts")
+        logits, _ = _flat(router_logits, "router_logits", "num_experts", lead)
         out = Fn.fused_moe(
             x2,
             logits,
@@ -263,8 +266,8 @@ class FusedMoE(torch.nn.Module):
             topk_weights: ``[..., k]`` f32, applied as given (no ``routed_scaling_factor``).
         """
         x2, lead = _flat(x, "x", "H")
-        ids, _ = _flat(topk_ids, "topk_ids", "k")
-        w, _ = _flat(topk_weights, "topk_weights", "k")
+        ids, _ = _flat(topk_ids, "topk_ids", "k", lead)
+        w, _ = _flat(topk_weights, "topk_weights", "k", lead)
         out = Fn.fused_moe_routed(
             x2,
             ids,
@@ -312,6 +315,15 @@ class FusedMoE(torch.nn.Module):
             if p is not None:
                 raise NotImplementedError("cute_moe.FusedMoE: holds buffers only, no parameters")
         return self
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        """A state dict's tensors must have the buffers' dtypes: ``copy_`` would otherwise convert
+        (bf16 weights into FP8 codes) without a word."""
+        for name, buf in self._buffers.items():
+            t = state_dict.get(prefix + name)
+            if buf is not None and isinstance(t, Tensor) and t.dtype != buf.dtype:
+                _fail("FusedMoE", f"state_dict[{prefix + name!r}] must be {buf.dtype}, got {t.dtype}", TypeError)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
         s = (

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -85,6 +86,7 @@ class _Op:
         _LIB.impl(self.name, fn, "CompositeExplicitAutograd" if device_types is None else device_types.upper())
         self.__wrapped__ = fn
         self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests
+        self.arg_names = tuple(inspect.signature(fn).parameters)
 
     def register_kernel(self, device_type: str, fn: Optional[Callable[..., Any]] = None) -> Any:
         """A CUDA implementation is registered behind the launch memo (``launch_memo.py``): eager
@@ -103,11 +105,35 @@ class _Op:
         return register if fn is None else register(fn)
 
     def register_fake(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        torch.library.register_fake(f"{_NS}::{self.name}", fn, lib=_LIB)
+        """The fake also serves meta tensors, and the dispatcher picks it whenever one argument is
+        on ``meta``: a call mixing meta and real tensors (a module whose weights were never
+        materialised) must raise there, not return ``empty`` memory."""
+
+        @functools.wraps(fn)
+        def fake(*args: Any, **kwargs: Any) -> Any:
+            _refuse_meta_with_real(self.name, self.arg_names, args, kwargs)
+            return fn(*args, **kwargs)
+
+        torch.library.register_fake(f"{_NS}::{self.name}", fake, lib=_LIB)
         return fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(torch.ops.cute_moe, self.name)(*args, **kwargs)
+
+
+def _refuse_meta_with_real(op: str, names: tuple[str, ...], args: tuple, kwargs: dict) -> None:
+    """ValueError when meta tensors come with real ones (fake tensors, under torch.compile, are
+    neither: they pass)."""
+    meta, real = None, None
+    for name, a in (*zip(names, args), *kwargs.items()):
+        if type(a) in (Tensor, torch.nn.Parameter):
+            if a.is_meta:
+                meta = meta or name
+            else:
+                real = real or (name, a.device)
+    if meta and real:
+        raise ValueError(f"cute_moe.{op}: all tensors must be on one device: {meta} is on meta (never "
+                         f"materialised?), {real[0]} is on {real[1]}")
 
 
 def _custom_op(qualname: str, *, mutates_args: Any, device_types: Optional[str] = None) -> Callable[..., _Op]:

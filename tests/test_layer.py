@@ -134,9 +134,39 @@ def test_leading_dims_and_empty_batch() -> None:
                   layer(x, logits))  # fmt: skip
     assert layer(x[:0], logits[:0]).shape == (0, H)
     assert layer(x.reshape(3, 4, H)[:, :0], logits.reshape(3, 4, E)[:, :0]).shape == (3, 0, H)
+    with pytest.raises(ValueError, match=r"router_logits must have the leading dims of x \[3, 4\], got shape \[4, 3, "):
+        layer(x.reshape(3, 4, H), logits.reshape(4, 3, E))
+    with pytest.raises(ValueError, match=r"topk_ids must have the leading dims of x \[2, 6\], got shape \[12, "):
+        layer.forward_routed(x.reshape(2, 6, H), ids, w.reshape(2, 6, -1))
+
+
+def test_load_state_dict_refuses_other_dtypes() -> None:
+    """copy_ would convert bf16 weights into FP8 codes (or scales into bf16 and back) silently."""
+    g = torch.Generator().manual_seed(4)
+    layer = FusedMoE.from_bf16(*_bf16_weights(g), top_k=TOP_K)
+    sd = layer.state_dict()
+    for key, dtype in (("w13", torch.bfloat16), ("w2_scale", torch.bfloat16)):
+        bad = dict(sd, **{key: sd[key].to(dtype)})
+        with pytest.raises(TypeError, match=rf"FusedMoE: state_dict\['{key}'\] must be torch\.float"):
+            layer.load_state_dict(bad)
+    layer.load_state_dict(sd)
 
 
 # ----------------------------------------------------------------------------- from_hf_fp8
+
+
+def test_weights_never_materialised_raise() -> None:
+    """A layer built on ``meta`` and called on real inputs raises (the ops' fake kernel, which the
+    dispatcher picks when one argument is on meta, would otherwise return empty memory)."""
+    m = FusedMoE(8, 2, 256, 128, device="meta")
+    x, logits = torch.randn(3, 256, dtype=torch.bfloat16), torch.randn(3, 8)
+    with pytest.raises(ValueError, match=r"cute_moe\.fused_moe: all tensors must be on one device: w13 is on meta"):
+        m(x, logits)
+    y = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"cute_moe\.finalize: all tensors must be on one device: y is on meta"):
+        cute_moe.finalize(y, torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32))
+    ids, w = cute_moe.route(torch.randn(3, 8, device="meta"), 2, "softmax")  # all on meta: shapes only
+    assert ids.is_meta and ids.shape == (3, 2)
 
 
 def test_from_hf_fp8_state_dict_round_trip() -> None:
@@ -400,7 +430,7 @@ def test_forward_errors_name_the_argument() -> None:
         layer(x, torch.randn(4, 16))
     with pytest.raises(TypeError, match=r"cute_moe.fused_moe: x must be bfloat16"):
         layer(x.float(), torch.randn(4, E))
-    with pytest.raises(ValueError, match=r"router_logits.shape\[0\] must equal the number of tokens"):
+    with pytest.raises(ValueError, match=r"cute_moe.FusedMoE: router_logits must have the leading dims of x \[4\]"):
         layer(x, torch.randn(5, E))
     with pytest.raises(ValueError, match=r"cute_moe.FusedMoE: x must be \[..., H\] with at least 2 dims"):
         layer(x[0], torch.randn(E))
