@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, Union
 
@@ -611,6 +612,11 @@ class FusedMoE(torch.nn.Module):
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
             bias = b.float()
+        elif routing_method == "deepseek_v3":
+            # Legal (grouped top-k without a bias), but a DeepSeek-V3 checkpoint always has one: a
+            # wrong prefix or a dropped key would otherwise change the routing without a word.
+            warnings.warn(f"cute_moe.{where}: routing_method='deepseek_v3' and the checkpoint has no {bias_key!r}: "
+                          "routing without a score bias", stacklevel=2)  # fmt: skip
         return cls.from_fp8(
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, score_bias=bias,

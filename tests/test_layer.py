@@ -181,6 +181,10 @@ def test_from_hf_fp8_state_dict_round_trip() -> None:
     # FlashInfer's half order from the same checkpoint
     up_first = FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, gate_first=False, **DSV3)
     assert _equal(up_first.w13[:, :I], layer.w13[:, I:]) and _equal(up_first(x, logits), layer(x, logits))
+    # deepseek_v3 without the checkpoint's bias (a wrong prefix, a dropped key): loads, with a warning
+    no_bias = {k: v for k, v in sd.items() if not k.endswith("e_score_correction_bias")}
+    with pytest.warns(UserWarning, match=r"routing_method='deepseek_v3' and the checkpoint has no .*e_score_correction"):
+        assert FusedMoE.from_hf_fp8(no_bias, PREFIX, E, TOP_K, **DSV3).score_bias is None
 
 
 def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
