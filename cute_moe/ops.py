@@ -111,7 +111,8 @@ class _Op:
 
         @functools.wraps(fn)
         def fake(*args: Any, **kwargs: Any) -> Any:
-            _refuse_meta_with_real(self.name, self.arg_names, args, kwargs)
+            named = (*zip(self.arg_names, args), *kwargs.items())
+            V.check_same_device(self.name, **{n: a for n, a in named if isinstance(a, Tensor)})
             return fn(*args, **kwargs)
 
         torch.library.register_fake(f"{_NS}::{self.name}", fake, lib=_LIB)
@@ -119,21 +120,6 @@ class _Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(torch.ops.cute_moe, self.name)(*args, **kwargs)
-
-
-def _refuse_meta_with_real(op: str, names: tuple[str, ...], args: tuple, kwargs: dict) -> None:
-    """ValueError when meta tensors come with real ones (fake tensors, under torch.compile, are
-    neither: they pass)."""
-    meta, real = None, None
-    for name, a in (*zip(names, args), *kwargs.items()):
-        if type(a) in (Tensor, torch.nn.Parameter):
-            if a.is_meta:
-                meta = meta or name
-            else:
-                real = real or (name, a.device)
-    if meta and real:
-        raise ValueError(f"cute_moe.{op}: all tensors must be on one device: {meta} is on meta (never "
-                         f"materialised?), {real[0]} is on {real[1]}")
 
 
 def _custom_op(qualname: str, *, mutates_args: Any, device_types: Optional[str] = None) -> Callable[..., _Op]:

@@ -28,6 +28,8 @@ from typing import Any, NoReturn, Optional
 import torch
 from torch import Tensor
 
+from cute_moe import reference as R
+
 __all__ = [
     "ACT_GROUP_SIZE",
     "FP8_DTYPE",
@@ -71,7 +73,7 @@ _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_ACT = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32,)
 _INT32_MAX = 2**31 - 1  # the kernels index rows, experts and offsets in int32
-_GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32
+_GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32 (kernels/reduce_common.MAX_K)
 # Tensor types whose data_ptr() is a real address: a Parameter built from a fake tensor has the
 # fake tensor's type, not Parameter.
 _PLAIN = (Tensor, torch.nn.Parameter)
@@ -406,9 +408,9 @@ def validate_align(
     if topk_ids.shape[1] > num_experts:
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= num_experts = {num_experts}, got {topk_ids.shape[1]}")
     T, k = topk_ids.shape
-    if T * k + min(T * k, e_local) * (alignment - 1) > _INT32_MAX:  # reference.m_cap, before its rounding
-        _fail(op, f"the padded row count T*k + min(T*k, E_local)*(alignment - 1) must fit in int32, got T = {T}, "
-                  f"k = {k}, E_local = {e_local}, alignment = {alignment}")  # fmt: skip
+    if R.m_cap(T, k, e_local, alignment) > _INT32_MAX:
+        _fail(op, f"M_cap = round_up(T*k + min(T*k, E_local)*(alignment - 1), alignment) must fit in int32, got "
+                  f"T = {T}, k = {k}, E_local = {e_local}, alignment = {alignment}")  # fmt: skip
 
 
 def _check_permute_maps(op: str, row_to_token: Tensor, expert_offsets: Tensor) -> None:

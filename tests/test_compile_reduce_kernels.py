@@ -115,3 +115,11 @@ def test_sass_low_precision_accumulation_rounds(reports):
             assert conversions >= k * vecs * elems, (r["variant"], conversions)
         else:  # one conversion of the result (F2FP packs two), none per step
             assert conversions <= vecs * elems, (r["variant"], conversions)
+
+
+def test_validation_knows_the_kernels_top_k_limit():
+    """fused_moe_routed refuses k > 32 on the GPU up front (validation cannot import the DSL)."""
+    from cute_moe import validation
+    from cute_moe.kernels.reduce_common import MAX_K
+
+    assert validation._GPU_MAX_TOPK == MAX_K

@@ -160,10 +160,10 @@ def test_weights_never_materialised_raise() -> None:
     dispatcher picks when one argument is on meta, would otherwise return empty memory)."""
     m = FusedMoE(8, 2, 256, 128, device="meta")
     x, logits = torch.randn(3, 256, dtype=torch.bfloat16), torch.randn(3, 8)
-    with pytest.raises(ValueError, match=r"cute_moe\.fused_moe: all tensors must be on one device: w13 is on meta"):
+    with pytest.raises(ValueError, match=r"cute_moe\.fused_moe: all tensors must be on one device: x is on cpu, w13 is on meta"):
         m(x, logits)
     y = torch.empty(8, 256, dtype=torch.bfloat16, device="meta")
-    with pytest.raises(ValueError, match=r"cute_moe\.finalize: all tensors must be on one device: y is on meta"):
+    with pytest.raises(ValueError, match=r"cute_moe\.finalize: all tensors must be on one device: y is on meta, topk_weights is on cpu"):
         cute_moe.finalize(y, torch.rand(3, 2), torch.zeros(3, 2, dtype=torch.int32))
     ids, w = cute_moe.route(torch.randn(3, 8, device="meta"), 2, "softmax")  # all on meta: shapes only
     assert ids.is_meta and ids.shape == (3, 2)

@@ -145,7 +145,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"alignment": 0}, ValueError, r"alignment must be >= 1"),
         (lambda g: {"num_experts": 2**31}, ValueError, r"num_experts must be <= 2\*\*31 - 1"),
         (lambda g: {"alignment": 2**31}, ValueError, r"alignment must be <= 2\*\*31 - 1"),
-        (lambda g: {"alignment": 2**30}, ValueError, r"the padded row count .* must fit in int32"),
+        (lambda g: {"alignment": 2**30}, ValueError, r"M_cap = round_up\(.*\) must fit in int32, got T = 4, k = 2, E_local = 8, alignment = 1073741824"),
         (lambda g: {"expert_offset": -1}, ValueError, r"expert_offset must be >= 0, got -1"),
         (
             lambda g: {"expert_offset": 4, "num_local_experts": 8},
