@@ -27,6 +27,7 @@ import time
 import torch
 
 from . import reference as R
+from .compiler import arch_of_device_index
 from .kernels import KERNEL_MODULES
 
 T, E, H, I, K_TOP, N_GROUP, TOPK_GROUP, SCALING = 64, 16, 512, 256, 4, 4, 2, 2.5
@@ -69,6 +70,21 @@ def _compare(out, ref, rows=None) -> tuple[float, float, bool]:
             max_abs = max(max_abs, (o.double() - r.double()).abs().max().item())
             rel = max(rel, _rel_l2(o, r))
     return max_abs, rel, exact
+
+
+def _codes_within_one_step(out, ref, rows, max_fraction: float) -> bool:
+    """The quantizing ops' contract on the GPU (README): every non-FP8 tensor (the scales) exact; FP8
+    codes identical but on at most ``max_fraction`` of them, each of those one e4m3 step away."""
+    for o, r in zip(out, ref):
+        o, r = o[:rows], r[:rows]
+        if o.dtype != torch.float8_e4m3fn:
+            if not torch.equal(o, r):
+                return False
+            continue
+        diff = o.view(torch.int8).int() - r.view(torch.int8).int()
+        if (diff != 0).float().mean().item() > max_fraction or diff.abs().max().item() > 1:
+            return False
+    return True
 
 
 def _make_layer(device: torch.device, seed: int = 0):
@@ -330,17 +346,28 @@ def _full_size_deepseek_v3() -> tuple[int, int]:
     return checked, failures
 
 
+def _pick_device() -> tuple[torch.device, str]:
+    """A CUDA GPU the kernels are built for, else the CPU (the ops' reference implementations)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), "CPU (no CUDA GPU)"
+    index = torch.cuda.current_device()
+    try:
+        arch_of_device_index(index)
+    except NotImplementedError as e:
+        return torch.device("cpu"), f"CPU ({e})"
+    return torch.device("cuda", index), torch.cuda.get_device_name(index)
+
+
 def main() -> int:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device, where = _pick_device()
     ops = torch.ops.cute_moe
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (no CUDA GPU)"
     print(f"cute_moe on {where}: DeepSeek-V3-shaped MoE layer, scaled down: "
           f"T={T} E={E} H={H} I={I} k={K_TOP} groups {N_GROUP}/{TOPK_GROUP} scaling {SCALING}\n")
     x, logits, bias, w13, w13_scale, w2, w2_scale = _make_layer(device)
 
     rows, failures = [], 0
 
-    def step(name, op_call, ref_call, tol_rel: float, exact: bool, valid_rows=None):
+    def step(name, op_call, ref_call, tol_rel: float, exact: bool, valid_rows=None, codes_fraction=None):
         nonlocal failures
         ref = ref_call()
         op_name = name.split(" ")[0]  # "grouped_gemm_fp8 (w2)" runs op grouped_gemm_fp8
@@ -350,10 +377,15 @@ def main() -> int:
         impl = "CuTe DSL kernel" if device.type == "cuda" else "CPU (reference impl.)"
         out = op_call()
         max_abs, rel, is_exact = _compare(out, ref, valid_rows)
-        ok = is_exact if exact else (rel <= tol_rel and all(torch.isfinite(o.float()).all() for o in
-                                                           (out if isinstance(out, tuple) else (out,))))
+        if codes_fraction is not None and device.type == "cuda":
+            ok = _codes_within_one_step(out, ref, valid_rows, codes_fraction)
+            rule = f"scales exact, codes within one step on <= {codes_fraction:.2%}"
+        elif exact:
+            ok, rule = is_exact, "bit-exact"
+        else:
+            ok = rel <= tol_rel and all(torch.isfinite(o.float()).all() for o in (out if isinstance(out, tuple) else (out,)))
+            rule = f"rel L2 <= {tol_rel:g}"
         failures += not ok
-        rule = "bit-exact" if exact else f"rel L2 <= {tol_rel:g}"
         rows.append((name, impl, f"{max_abs:.3g}", f"{rel:.2e}", f"{'PASS' if ok else 'FAIL'} ({rule})",
                      f"{_time_ms(op_call, device):.3f}"))
         return out
@@ -379,7 +411,7 @@ def main() -> int:
     )
     a2, a2_scale = step(
         "silu_mul_quant", lambda: ops.silu_mul_quant(h, offsets, True, None),
-        lambda: R.silu_mul_quant_ref(h, offsets), 0, True, valid_rows=used_rows,
+        lambda: R.silu_mul_quant_ref(h, offsets), 0, True, valid_rows=used_rows, codes_fraction=1e-4,
     )
     y = step(
         "grouped_gemm_fp8 (w2)", lambda: ops.grouped_gemm_fp8(a2, a2_scale, w2, w2_scale, offsets),

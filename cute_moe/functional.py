@@ -4,7 +4,8 @@ Every function here is a thin call of the custom op of the same name (so it
 traces under ``torch.compile(fullgraph=True)`` and works in CUDA graphs); the op
 validates its inputs and raises ``TypeError`` / ``ValueError`` naming the
 argument. Eager calls on CUDA tensors skip the dispatcher and call the op's CUDA
-implementation directly (``cute_moe.ops.call``). Arguments with a default are
+implementation directly (``cute_moe.ops.call``), except ``fused_moe``,
+``fused_moe_routed`` and ``fill_kv_cache_fp8``, which go through ``torch.ops``. Arguments with a default are
 keyword-only.
 
 Conventions: FP8 is ``torch.float8_e4m3fn`` (max 448). Activation scales are
@@ -81,7 +82,8 @@ def quant_fp8(
 
     Args:
         x: ``[M, K]`` bf16, fp16 or f32, last dim contiguous.
-        group_size: columns per scale; must divide K.
+        group_size: columns per scale; must divide K.  On the GPU a power of two in ``[32, 1024]``
+            (``NotImplementedError`` otherwise; the CPU takes any divisor).
         scale_fmt: ``None`` (scale = amax/448) or ``"ue8m0"`` (scale rounded up to a power of two,
             still stored as f32).
         column_major_scales: return the scales MN-major (strides ``(1, M)``) instead of row-major.
@@ -114,6 +116,9 @@ def route(
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
         routed_scaling_factor: multiplies the final weights (every method); finite and > 0.
 
+    On the GPU: ``E <= 512``, ``top_k <= 32`` (``<= 8`` for ``deepseek_v3``); ``NotImplementedError``
+    otherwise, where the CPU computes the same routing.
+
     Returns:
         ``(topk_ids, topk_weights)``: int32 ``[T, top_k]`` and f32 ``[T, top_k]``, each row in
         descending selection score.
@@ -133,12 +138,15 @@ def align(
     """Group the (token, slot) pairs by local expert into row segments padded to ``alignment``.
 
     Args:
-        topk_ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)`` (not checked on the
-            device: out-of-range ids are undefined behaviour in the kernels).
+        topk_ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)``.  Ids outside it are
+            outside the contract: the CPU implementation raises ``ValueError``; the GPU kernel cannot
+            check them without a host sync and treats them as not local.
         num_experts: global expert count.
         alignment: row alignment of each expert segment (the GEMM's tile M).
         expert_offset, num_local_experts: this rank owns experts
             ``[expert_offset, expert_offset + E_local)``; ``E_local = num_local_experts or num_experts``.
+
+    On the GPU: ``E_local <= 1024`` and ``T * k <= 2**22`` (``NotImplementedError`` otherwise).
 
     Returns:
         ``(expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], expert_counts [E_local])``,
@@ -220,6 +228,10 @@ def grouped_gemm_fp8(
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
             output); the rest of the segment is padding, and the kernel may skip it.
 
+    On the GPU: ``M_cap % 128 == 0`` (``NotImplementedError`` otherwise) and every segment's length a
+    multiple of 128 (``align(..., alignment=128)``): the kernel cannot check that without a host sync,
+    and writes the tiles of a segment that breaks it as NaN.  The CPU takes any segments.
+
     Returns:
         ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified, and
         with ``expert_counts`` padding rows unspecified too.
@@ -264,6 +276,8 @@ def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
         topk_weights: ``[T, k]`` f32.
         token_to_row: ``[T, k]`` int32; ``-1`` entries contribute nothing.
 
+    On the GPU: ``k <= 32``, ``H % 8 == 0`` (16-byte rows); ``NotImplementedError`` otherwise.
+
     Returns:
         ``out``: ``[T, H]`` bf16. Deterministic (no atomics).
     """
@@ -280,6 +294,8 @@ def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Te
         fp32_acc: accumulate in f32; else, for 16-bit hidden, as lmdeploy does: the weights cast
             to hidden's dtype and every product and running sum rounded to it, in order j
             (on every device).
+
+    On the GPU: ``k <= 32`` and 16-byte rows; ``NotImplementedError`` otherwise.
 
     Returns:
         ``out``: ``[T, H]`` in hidden's dtype.
@@ -307,7 +323,8 @@ def fused_moe_routed(
     Args:
         x: ``[T, H]`` bf16, ``H % 128 == 0``, ``H >= 128``; on the GPU rows 16-byte aligned.
         topk_ids: ``[T, k]`` int32 global expert ids; ids outside
-            ``[expert_offset, expert_offset + E_local)`` are not local and contribute nothing.
+            ``[expert_offset, expert_offset + E_local)``, negative ones included (-1 for a masked
+            slot, as vLLM's expert map gives), are not local and contribute nothing.
             On the GPU ``k <= 32`` (``NotImplementedError`` otherwise, before any launch).
         topk_weights: ``[T, k]`` f32.
         w13: ``[E_local, 2I, H]`` float8_e4m3fn (gate rows first when ``gate_first``), ``I % 128 == 0``,
@@ -402,7 +419,8 @@ def fill_kv_cache_fp8(
             not checked).
         kv_seqlens: ``[B]`` int32 sequence lengths including the new tokens.
         block_offsets: ``[B, max_blocks]`` int32 block table.
-        group_size: must divide D (and Dv).
+        group_size: must divide D (and Dv); on the GPU a power of two in ``[32, 1024]``
+            (``NotImplementedError`` otherwise).
         scale_fmt: ``None`` or ``"ue8m0"``.
         layout: ``"bshd"`` or ``"bhsd"``.
 

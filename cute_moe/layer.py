@@ -400,12 +400,14 @@ class FusedMoE(torch.nn.Module):
             act_scale_fmt=act_scale_fmt, device="meta",
         )  # fmt: skip
         bias = _check_score_bias(where, score_bias, layer.num_experts)
-        layer.w13 = w13.contiguous()
-        layer.w13_scale = w13_scale.contiguous()
-        layer.w2 = w2.contiguous()
-        layer.w2_scale = w2_scale.contiguous()
+        # Detached: the layer is inference-only, and buffers that keep their source's autograd
+        # graph (an nn.Parameter's) hold its memory and break copy.deepcopy.
+        layer.w13 = w13.detach().contiguous()
+        layer.w13_scale = w13_scale.detach().contiguous()
+        layer.w2 = w2.detach().contiguous()
+        layer.w2_scale = w2_scale.detach().contiguous()
         if bias is not None:
-            layer.score_bias = bias.to(w13.device).contiguous()
+            layer.score_bias = bias.detach().to(w13.device).contiguous()
         return layer
 
     @classmethod
@@ -488,11 +490,12 @@ class FusedMoE(torch.nn.Module):
         dev = torch.device(device) if device is not None else gate.device
         q13, s13, q2, s2 = _empty_fp8_weights(e_local, H, I, dev)
         gate_rows, up_rows = _half_rows(I, gate_first)
-        for j in range(e_local):
-            e = first + j
-            for ex, rows in ((gate, gate_rows), (up, up_rows)):
-                q13[j, rows[0]], s13[j, rows[1]] = R.quant_block_128x128_ref(ex.get(e, (I, H), "[I, H]").to(dev))
-            q2[j], s2[j] = R.quant_block_128x128_ref(down.get(e, (H, I), "[H, I]").to(dev))
+        with torch.no_grad():  # the weights are often nn.Parameters: keep no graph of them
+            for j in range(e_local):
+                e = first + j
+                for ex, rows in ((gate, gate_rows), (up, up_rows)):
+                    q13[j, rows[0]], s13[j, rows[1]] = R.quant_block_128x128_ref(ex.get(e, (I, H), "[I, H]").to(dev))
+                q2[j], s2[j] = R.quant_block_128x128_ref(down.get(e, (H, I), "[H, I]").to(dev))
         return cls.from_fp8(
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,

@@ -18,8 +18,9 @@ Each op has
 that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
-Validation only reads metadata (never tensor data), and never runs in the fake
-implementations. Importing this module neither imports ``cutlass`` nor
+Validation only reads metadata (never tensor data); the fake implementations run one
+check of it, that all tensors share a device (``check_same_device``: a call mixing
+meta and real tensors must raise, not return empty memory). Importing this module neither imports ``cutlass`` nor
 initialises CUDA: kernels are imported lazily inside the CUDA implementations.
 """
 
@@ -75,7 +76,10 @@ class _Op:
     Same surface as ``torch.library.custom_op`` (``register_kernel``,
     ``register_fake``, calling it), without its Python autograd and dispatch
     wrappers, which cost tens of microseconds per eager call on the GPU path.
-    The ops are inference-only: none has an autograd formula.
+    The ops are inference-only: their outputs never require grad and no gradient flows through
+    them.  The autograd key falls through (no cost at dispatch) and the CPU and composite
+    implementations, which compute with torch ops, run under ``no_grad``.  Without that torch's
+    fallback warned, then backpropagated wrong gradients (or failed on FP8 tensors).
     """
 
     def __init__(self, fn: Callable[..., Any], qualname: str, mutates_args: Any, device_types: Optional[str]):
@@ -83,7 +87,8 @@ class _Op:
         _OPS[self.name] = self
         _LIB.define(self.name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         # No device type: a composition of other cute_moe ops, valid on every device.
-        _LIB.impl(self.name, fn, "CompositeExplicitAutograd" if device_types is None else device_types.upper())
+        _LIB.impl(self.name, _without_grad(fn), "CompositeExplicitAutograd" if device_types is None else device_types.upper())
+        _LIB.impl(self.name, torch.library.fallthrough_kernel, "Autograd")
         self.__wrapped__ = fn
         self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests
         self.arg_names = tuple(inspect.signature(fn).parameters)
@@ -120,6 +125,15 @@ class _Op:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(torch.ops.cute_moe, self.name)(*args, **kwargs)
+
+
+def _without_grad(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.no_grad():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _custom_op(qualname: str, *, mutates_args: Any, device_types: Optional[str] = None) -> Callable[..., _Op]:
@@ -522,9 +536,14 @@ def _moe_from_topk(
     act_scale_fmt: Optional[str],
 ) -> Tensor:
     e_local = w13.shape[0]
-    offsets, row_to_token, token_to_row, counts = call(
-        "align", topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
-    )
+    if topk_ids.is_cuda:
+        offsets, row_to_token, token_to_row, counts = call(
+            "align", topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
+        )
+    else:
+        # align's CPU implementation refuses ids outside [0, num_experts); the layer's rule is the GPU
+        # kernel's: any id outside the local range, negative ones included, is not local.
+        offsets, row_to_token, token_to_row, counts = R.align_local(topk_ids, e_local, _MOE_ALIGNMENT, expert_offset)
     # Padding rows stay unwritten: both GEMMs and silu_mul_quant are given the counts and skip them.
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
     h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)

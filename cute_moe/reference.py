@@ -234,8 +234,8 @@ def route_ref(
     return ids.to(torch.int32), (w * routed_scaling_factor).float()
 
 
-def _align_impl(topk_ids: torch.Tensor, num_local_experts: int, alignment: int, expert_offset: int):
-    """align without range checks: ids outside the local range are simply not local."""
+def align_local(topk_ids: torch.Tensor, num_local_experts: int, alignment: int, expert_offset: int):
+    """align without range checks: ids outside the local range (negative ones too) are simply not local."""
     T, k = topk_ids.shape
     E = num_local_experts
     dev = topk_ids.device
@@ -276,8 +276,8 @@ def align_ref(
     """Expert segments -> (expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], counts [E_local])."""
     E_local = num_experts if num_local_experts is None else num_local_experts
     if topk_ids.numel() and bool(((topk_ids < 0) | (topk_ids >= num_experts)).any()):
-        raise ValueError(f"align_ref: topk_ids must lie in [0, num_experts={num_experts})")
-    return _align_impl(topk_ids, E_local, alignment, expert_offset)
+        raise ValueError(f"cute_moe.align: topk_ids must lie in [0, num_experts) = [0, {num_experts})")
+    return align_local(topk_ids, E_local, alignment, expert_offset)
 
 
 def permute_quant_ref(
@@ -408,7 +408,7 @@ def fused_moe_routed_ref(
     act_scale_fmt=None,
 ) -> torch.Tensor:
     """Whole MoE layer from precomputed top-k; ids outside [expert_offset, expert_offset+E_local) contribute nothing."""
-    offsets, row_to_token, token_to_row, _ = _align_impl(topk_ids, w13.shape[0], BLOCK, expert_offset)
+    offsets, row_to_token, token_to_row, _ = align_local(topk_ids, w13.shape[0], BLOCK, expert_offset)
     a, a_scale = permute_quant_ref(x, row_to_token, offsets, act_scale_fmt)
     h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, offsets)
     a2, a2_scale = silu_mul_quant_ref(h, offsets, gate_first, act_scale_fmt)

@@ -15,7 +15,9 @@ need data (expert ids inside ``[0, num_experts)``, ``cu_seqlens_q[-1] ==
 N_tok``, ...) cannot be checked here; the ops document them instead.
 
 The checks are meant for real tensors; the ops call them from their CPU and
-CUDA implementations, never from their fake (meta) implementations.
+CUDA implementations.  The fake (meta) implementations run ``check_same_device``
+only.  A few rules that only the GPU kernels impose are checked here too, before
+anything launches, with ``NotImplementedError`` (top_k > 32 in ``fused_moe_routed``).
 """
 
 from __future__ import annotations
@@ -568,6 +570,8 @@ def _check_moe_weights(
     if H == 0:
         _fail(op, f"H (x.shape[1]) must be >= {ACT_GROUP_SIZE}, got 0")
     E, two_i, _ = _check_gemm(op, None, None, w13, w13_scale, ("", "", "w13", "w13_scale"), K=H)
+    if E == 0:
+        _fail(op, "E_local (w13.shape[0]) must be >= 1, got 0")
     if two_i % (2 * ACT_GROUP_SIZE) != 0:
         _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {two_i}")
     if two_i == 0:

@@ -415,6 +415,22 @@ def test_fused_moe_routed_equals_fused_moe():
     assert torch.equal(layer.forward_routed(x, ids, wts), want)
 
 
+def test_fused_moe_routed_negative_ids_contribute_nothing():
+    """-1 (and any id outside the local range) is not local on the GPU as on the CPU: the same output
+    as those slots given weight 0, and the same as the CPU path's."""
+    m, w = MODELS["deepseek_v3"], weights("deepseek_v3")
+    x, logits = make_inputs(m, w, 64, seed=7)
+    ids, wts = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,
+                              topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
+    dropped = torch.rand(ids.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) < 0.3
+    got = cute_moe.fused_moe_routed(x, torch.where(dropped, -1, ids), wts, w.w13, w.s13, w.w2, w.s2)
+    want = cute_moe.fused_moe_routed(x, ids, torch.where(dropped, 0.0, wts), w.w13, w.s13, w.w2, w.s2)
+    assert torch.equal(got, want)
+    cpu = cute_moe.fused_moe_routed(*(t.cpu() for t in (x, torch.where(dropped, -1, ids), wts, w.w13, w.s13, w.w2,
+                                                        w.s2)))  # fmt: skip
+    assert (cpu.float() - got.cpu().float()).norm() <= 1e-2 * cpu.float().norm()
+
+
 def test_fused_moe_routed_refuses_top_k_over_32_before_launching():
     """finalize's kernel takes k <= 32: fused_moe_routed says so up front, not after the GEMMs ran."""
     fp8 = torch.float8_e4m3fn

@@ -94,6 +94,22 @@ def test_from_bf16_equals_reference_layer(routing: str) -> None:
     assert _equal(layer(x, logits), want)
 
 
+def test_from_bf16_and_from_fp8_keep_no_autograd_graph() -> None:
+    """HF keeps weights as nn.Parameters: the layer's buffers must not hold their autograd graph
+    (memory, and copy.deepcopy refused such buffers)."""
+    import copy  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(3)
+    w13, w2 = (nn.Parameter(w.float()) for w in _bf16_weights(g))
+    layer = FusedMoE.from_bf16(w13, w2, top_k=TOP_K)
+    q13, s13 = R.quant_block_128x128_ref(w13.detach())
+    from_fp8 = FusedMoE.from_fp8(q13, nn.Parameter(s13), *R.quant_block_128x128_ref(w2.detach()), top_k=TOP_K)
+    for m in (layer, from_fp8):
+        assert all(b.grad_fn is None and not b.requires_grad for b in m.buffers())
+        x, logits = _inputs(g)
+        assert _equal(copy.deepcopy(m)(x, logits), m(x, logits))
+
+
 def test_from_bf16_input_forms_and_half_order() -> None:
     """Fused gate-first tensor, (gate, up) stacks, per-expert lists: one set of weights; gate_first=False
     stores up rows first and gives the identical output."""

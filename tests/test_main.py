@@ -10,3 +10,39 @@ def test_main_job_self_checks():
     last = proc.stdout.strip().splitlines()[-1]
     passed, _, total = last.split()[:3]
     assert passed == total and int(total) >= 9, last
+
+
+def test_main_job_runs_on_the_cpu_on_a_gpu_without_kernels(monkeypatch):
+    """On a GPU the kernels are not built for (an A100, say) the demo checks the ops on the CPU
+    and says why, instead of stopping at the first op with NotImplementedError."""
+    import torch
+
+    from cute_moe import __main__ as main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    device, where = main._pick_device()
+    assert device.type == "cpu" and "compute capability 8.0" in where and "A100" in where
+
+
+def test_quantized_codes_rule_is_the_documented_one():
+    """silu_mul_quant's GPU contract: scales exact; codes identical but on at most 1e-4 of them, each
+    one e4m3 step away."""
+    import torch
+
+    from cute_moe.__main__ import _codes_within_one_step
+
+    ref_codes = torch.linspace(-400, 400, 20000).to(torch.float8_e4m3fn)
+    scales = torch.rand(20000, 1)
+    step = ref_codes.view(torch.int8).clone()
+    step[7] += 1  # one code one step away: 1 of 20000 = 5e-5
+    assert _codes_within_one_step((step.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
+    two = step.clone()
+    two[9] += 2
+    assert not _codes_within_one_step((two.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
+    many = step.clone()
+    many[100:104] += 1
+    assert not _codes_within_one_step((many.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
+    assert not _codes_within_one_step((ref_codes, scales * 1.0000001 + 1e-7), (ref_codes, scales), None, 1e-4)

@@ -333,6 +333,47 @@ def test_fused_moe_equals_composed_ops(rnd) -> None:
     _assert_equal(cute_moe.fused_moe(*args, **kwargs), out)
 
 
+def test_fused_moe_routed_negative_ids_contribute_nothing(rnd) -> None:
+    """Ids outside the local range, -1 included (what vLLM's expert map gives a non-local expert),
+    contribute nothing: the same output as those slots given weight 0.  The GPU kernels treat them
+    so; the CPU path refused negative ids with align's message before."""
+    _, args, _ = _build("fused_moe-deepseek_v3-ep", rnd)
+    x, logits, w13, s13, w2, s2, top_k, _ = args
+    T = x.shape[0]
+    ids = rnd.topk_ids(T, top_k, w13.shape[0])
+    weights = torch.rand(T, top_k)
+    dropped = torch.rand(T, top_k) < 0.3
+    for outside in (-1, -(2**31), 2**31 - 1, w13.shape[0]):
+        got = cute_moe.fused_moe_routed(x, torch.where(dropped, outside, ids), weights, w13, s13, w2, s2)
+        want = cute_moe.fused_moe_routed(x, ids, torch.where(dropped, 0.0, weights), w13, s13, w2, s2)
+        _assert_equal(got, want)
+
+
+def test_ops_are_inference_only(rnd) -> None:
+    """Inputs that require grad give outputs that do not (no autograd graph, no gradient through the
+    op): torch's fallback used to warn, then propagate wrong gradients or fail on FP8 tensors."""
+    _, args, kwargs = _build("fused_moe-deepseek_v3-ep", rnd)
+    x = args[0].clone().requires_grad_()
+    out = cute_moe.fused_moe(x, *args[1:], **kwargs)
+    assert not out.requires_grad and out.grad_fn is None
+    _assert_equal(out, cute_moe.fused_moe(*args, **kwargs))
+    h, w = torch.randn(3, 2, 256, requires_grad=True), torch.rand(3, 2, requires_grad=True)
+    for out in (cute_moe.moe_reduce(h, w), *cute_moe.quant_fp8(h.reshape(6, 256)),
+                *cute_moe.route(torch.randn(3, 8, requires_grad=True), 2, "softmax")):  # fmt: skip
+        assert not out.requires_grad
+
+
+def test_fused_moe_refuses_zero_local_experts(rnd) -> None:
+    _, args, kwargs = _build("fused_moe-deepseek_v3-ep", rnd)
+    x, logits, w13, s13, w2, s2, top_k, method = args
+    none = (w13[:0], s13[:0], w2[:0], s2[:0])
+    with pytest.raises(ValueError, match=r"cute_moe\.fused_moe: E_local \(w13\.shape\[0\]\) must be >= 1, got 0"):
+        cute_moe.fused_moe(x, logits, *none, top_k, method, **kwargs)
+    ids, wts = cute_moe.route(logits, top_k, "softmax")
+    with pytest.raises(ValueError, match=r"cute_moe\.fused_moe_routed: E_local \(w13\.shape\[0\]\) must be >= 1"):
+        cute_moe.fused_moe_routed(x, ids, wts, *none)
+
+
 def test_cuda_impl_validates_before_importing_kernel() -> None:
     with pytest.raises(ValueError, match="group_size"):
         O.quant_fp8.kernels["cuda"](torch.randn(4, 100), 128)

@@ -3,7 +3,7 @@
 Each module imports ``cutlass`` at import time, so it is imported lazily: by an
 op's CUDA implementation on first use, or by ``python -m cute_moe.inspect``.
 ``KERNEL_MODULES`` maps an op name to the module holding its kernel(s); every
-such module exposes ``inspect_variants(arch) -> [(name, compiled_fn)]``.
+such module exposes ``inspect_variants(arch) -> [(name, compiled_fn, dynamic_smem_bytes)]``.
 """
 
 KERNEL_MODULES = {

@@ -52,8 +52,8 @@ Cost: ``topk_ids`` is read twice (the second time mostly from L2; three times in
 two-launch variant), ``token_to_row``
 and ``expert_offsets``/``expert_counts`` written once, ``row_to_token`` written
 once per row.  In one CTA all of it goes through one SM, so the time grows with
-``n``: about 1.3 ns per entry on an H200 (85 µs for DeepSeek-V3 at T = 8192,
-65536 entries).
+``n``: about 1.3 ns per entry on an H200 (it would be 85 µs for DeepSeek-V3 at T = 8192,
+65536 entries, which therefore takes the two-launch variant below: 11.5 µs measured).
 
 Two-launch variant (``align_ctas``: ``C = min(MAX_CTAS, n // ENTRIES_PER_CTA)``
 CTAs when that is at least ``MIN_CTAS``): CTA ``b`` takes the chunk

@@ -2,12 +2,14 @@
 
 ``sm_90a`` (H100/H200): ``grouped_gemm_sm90`` — run and checked on an H200.
 ``sm_100a`` (B200/GB200): ``grouped_gemm_sm100`` — compiled and SASS-inspected only, **never run
-on hardware** (no Blackwell GPU was available); ``tests/test_gpu_grouped_gemm_sm100.py`` is its
-acceptance test on the first B200.  Other architectures raise ``NotImplementedError``.
+on hardware** (no Blackwell GPU was available), and its first use in a process warns so;
+``tests/test_gpu_grouped_gemm_sm100.py`` is its acceptance test on the first B200.  Other
+architectures raise ``NotImplementedError``.
 """
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -24,6 +26,12 @@ def _arch_launcher(arch: str):
         return grouped_gemm_fp8_cuda
     if arch == "sm_100a":
         from .grouped_gemm_sm100 import grouped_gemm_fp8_sm100_cuda
+
+        warnings.warn(
+            "cute_moe.grouped_gemm_fp8: the sm_100a kernel is compiled and SASS-checked only and has never "
+            "run on hardware; tests/test_gpu_grouped_gemm_sm100.py is its acceptance test",
+            stacklevel=3,
+        )
 
         # It computes every row, so it takes no expert_counts.
         return lambda a, a_scale, b, b_scale, offsets, _: grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale, offsets)

@@ -6,9 +6,9 @@ compile + SASS test (``tests/test_compile_grouped_gemm_sm100.py``: UTCQMMA,
 UTMALDG (A by multicast)/UTMASTG, the multicast MMA commit and the cluster barrier, LDTM,
 no local memory, shared and tensor memory budgets) and by a pure-Python model of its
 tile schedule.  ``tests/test_gpu_grouped_gemm_sm100.py``
-holds the GPU acceptance test, skipped everywhere but a compute-capability-10.0 GPU;
-the kernel is not wired into ``torch.ops.cute_moe.grouped_gemm_fp8`` until that
-test has passed on a B200/GB200.
+holds the GPU acceptance test, skipped everywhere but a compute-capability-10.0 GPU.
+``torch.ops.cute_moe.grouped_gemm_fp8`` runs this kernel on sm_100a devices (``grouped_gemm.py``)
+and warns, once per process, that it has not run on hardware before; run that test first.
 
 Math (``reference.grouped_gemm_fp8_ref``), for every row ``r`` of expert ``e``'s
 segment ``[off[e], off[e+1])`` and column ``n``::
@@ -75,7 +75,8 @@ TMEM: ``ACC_STAGES`` (4) x 128 columns = all 512 columns, allocated by warp 0,
 permit relinquished at once (one CTA per SM by construction: shared memory), freed
 by warp 0 after every accumulator warp has passed its last ``tcgen05.ld``.
 
-Tile schedule (``grouped_gemm_schedule``, the sm_90a kernel's exactly; its
+Tile schedule (``grouped_gemm_schedule``, the sm_90a kernel's with pairs along N -- that kernel
+pairs M tiles instead at prefill MoE shapes, this one never; its
 ``tile_schedule(..., cluster_n=2)`` is the executable model, tested on the CPU): the host
 launches ``launch_grid(M_cap, N, #SMs, 2)`` CTAs, an even number; tile groups (one M tile,
 two adjacent N tiles) are numbered ``t = m_tile * n_groups + group`` with ``n_groups =

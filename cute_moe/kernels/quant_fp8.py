@@ -18,7 +18,8 @@ HBM bandwidth.
 
 Constraints (``QuantFp8Kernel.can_implement``): x is bf16, fp16 or f32 with unit
 column stride, 16-byte aligned base and row stride; G is a power of two in
-[32, 1024]; K % G == 0.  The scale tensor may have any strides (row- or
+[32, 1024]; K % G == 0; at most 65535 blocks of rows (a ValueError above: ~4.2M
+rows of bf16 at G = 128).  The scale tensor may have any strides (row- or
 column-major); the codes tensor is contiguous.
 """
 

@@ -52,7 +52,8 @@ k`` stores output ``j``.  No shared memory, no barriers, no local memory.
 Cost (DeepSeek-V3, E=256, k=8, groups 8/4, f32, sm_90a SASS): 43 registers, about
 780 instructions per warp, 4 LDG.128, 12 REDUX, 12 VOTE, 24 SHFL; at T=16384 that
 is about 12 us of instruction issue on an H200 if latency is hidden, at T=1 a chain
-of one load and ~12 dependent rounds.  Estimates only: not measured yet.
+of one load and ~12 dependent rounds.  Measured on the H200 (README): 2.1 µs per call at T=1 and
+19.8 µs at T=16384, 100 calls in one CUDA graph.
 
 Constraints (``RouteKernel.can_implement``): logits f32 or bf16; ``1 <= E <= 512``;
 ``1 <= top_k <= min(E, 32)``, deepseek_v3 ``top_k <= 8``; deepseek_v3: ``E %

@@ -104,6 +104,8 @@ quotient and half a conversion.
 
 Constraints (``can_implement``): h bf16 or fp16 with unit column stride, a
 16-byte aligned base and row stride (checked on the host); I a multiple of 128.
+The op itself takes bf16 only (``validation``), so the fp16 path is not reachable
+through it.
 """
 
 from __future__ import annotations
