@@ -84,7 +84,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 import torch
 from cutlass import Int32, Uint32
 from cutlass._mlir.dialects import llvm
@@ -215,7 +215,7 @@ class AlignKernel:
         n = mIds.shape[0]
         zero = opaque_zero(n)
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sCnt = smem.allocate_tensor(Int32, cute.make_layout((NUM_WARPS, E + 1), stride=(E + 1, 1)), byte_alignment=16)
         sOff = smem.allocate_tensor(Int32, cute.make_layout(E + 1), byte_alignment=16)
         sNum = smem.allocate_tensor(Int32, cute.make_layout(E), byte_alignment=16)

@@ -95,7 +95,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 import torch
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
@@ -178,7 +178,7 @@ class PermuteQuantKernel(_RowGather):
         # cp.async into per-thread slots of shared memory: the 4 row loads are issued back to back
         # and none of the math can be scheduled between them (it all waits on the group).
         g2s = load_16b_async(self.dtype)
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         sTok = self.alloc_tokens(smem)
         sX = smem.allocate_tensor(self.dtype, self.thread_slots(self.rows_per_thread), byte_alignment=16)
         # Row blocks at or past end do no iteration: the CTA exits.
@@ -314,7 +314,7 @@ class TokenPermuteQuantKernel:
         active = group < groups
         chunk = cutlass.min(group, groups - 1) * self.lanes + lane
         load = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128)
-        sQ = cutlass.utils.SmemAllocator().allocate_tensor(
+        sQ = cutlass.memory.SmemAllocator().allocate_tensor(
             Int32, cute.make_layout(self.smem_bytes() // 4), byte_alignment=128
         )
         # Every load first (lanes past k re-read entry k-1): lane l holds entries l, l + 16, ... of
@@ -459,7 +459,7 @@ class PermuteKernel(_RowGather):
     def kernel(self, mA, mSin, mR2T, mOff, mQ, mS):
         tidx, group, bidy, grid_y, end, chunk = self.coords(mOff, mQ)
         copy = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), cutlass.Uint8, num_bits_per_copy=128)
-        sTok = self.alloc_tokens(cutlass.utils.SmemAllocator())
+        sTok = self.alloc_tokens(cutlass.memory.SmemAllocator())
         for block in range(bidy, cute.ceil_div(end, self.rows_per_cta), grid_y):
             first_row = block * self.rows_per_cta + (tidx // self.lanes) * self.rows_per_thread
             self.stage_tokens(mR2T, sTok, block * self.rows_per_cta, end, mA.shape[0], tidx)

@@ -112,7 +112,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-import cutlass.utils
+import cutlass.memory
 import torch
 from cutlass import Float32, Int32
 
@@ -222,7 +222,7 @@ class SiluMulQuantKernel:
         group, bidy, bidz = cute.arch.block_idx()
         block = bidz * MAX_GRID_Y + bidy
         end = rows_end(mOff, mQ.shape[0])
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         slots = thread_slots(self.piece_elems, self.num_threads, self.slots)
         sIn = smem.allocate_tensor(self.dtype, slots, byte_alignment=16)
         sWarp = smem.allocate_tensor(Int32, cute.make_layout(self.num_threads // 32), byte_alignment=16)
