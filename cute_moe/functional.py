@@ -12,7 +12,11 @@ Conventions: FP8 is ``torch.float8_e4m3fn`` (max 448). Activation scales are
 f32, one per row per 128 columns, logical shape ``[rows, K/128]``; the
 producers feeding the GEMM (``permute_quant``, ``permute``, ``silu_mul_quant``)
 return them MN-major, i.e. with strides ``(1, rows)``. Index tensors are int32
-with ``-1`` for "padding row" / "expert not local". ``M_cap`` is the static row
+with ``-1`` for "padding row" / "expert not local"; their entries must be in range
+(``row_to_token`` in ``[-1, T)``, ``token_to_row`` in ``[-1, M_cap)``, ``expert_offsets``
+non-decreasing in ``[0, M_cap]``, ``expert_counts[e]`` at most segment e's length): the
+CPU implementations check that (``ValueError``), the GPU kernels cannot without a host
+sync, and out-of-range entries are outside the contract there. ``M_cap`` is the static row
 bound ``round_up(T*k + min(T*k, E_local)*(alignment-1), alignment)`` (0 when
 T == 0), see :func:`cute_moe.reference.m_cap`.
 """

@@ -191,6 +191,27 @@ def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
     return like.new_empty((rows, cols), dtype=torch.float32)
 
 
+def _check_cpu_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int) -> None:
+    """The CPU implementations read the index tensors anyway: entries outside ``[lo, hi)`` get a
+    ValueError naming them, not an IndexError from inside the reference.  (The GPU kernels cannot
+    check data without a host sync; such entries are outside the ops' contract there.)"""
+    if t is not None and t.numel():
+        bad = (t < lo) | (t >= hi)
+        if bool(bad.any()):
+            value = int(t[bad].reshape(-1)[0])
+            raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {value}")
+
+
+def _check_cpu_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor] = None) -> None:
+    """expert_offsets non-decreasing in [0, M_cap]; counts in [0, segment length]."""
+    _check_cpu_indices(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
+    lengths = expert_offsets[1:] - expert_offsets[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError(f"cute_moe.{op}: expert_offsets must be non-decreasing, got {expert_offsets.tolist()[:16]}")
+    if expert_counts is not None and bool(((expert_counts < 0) | (expert_counts > lengths)).any()):
+        raise ValueError(f"cute_moe.{op}: expert_counts[e] must lie in [0, expert_offsets[e+1] - expert_offsets[e]]")
+
+
 def _as_scales(s: Tensor, mn_major: bool) -> Tensor:
     """``s`` in the layout the fake implementation promises (a copy only when needed)."""
     out = _empty_scales(s, s.shape[0], s.shape[1], mn_major)
@@ -345,6 +366,9 @@ def permute_quant(
     zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
+    _check_cpu_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
+    _check_cpu_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
+    _check_cpu_segments("permute_quant", expert_offsets, row_to_token.shape[0])
     a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     return a.contiguous(), _as_scales(s, True)
 
@@ -378,6 +402,8 @@ def _permute_quant_fake(x: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tenso
 @_custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
 def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
+    _check_cpu_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
+    _check_cpu_segments("permute", expert_offsets, row_to_token.shape[0])
     a, s = R.permute_ref(a_in, a_in_scale, row_to_token, expert_offsets)
     return a.contiguous(), _as_scales(s, True)
 
@@ -412,6 +438,7 @@ def grouped_gemm_fp8(
     expert_counts: Optional[Tensor] = None,
 ) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    _check_cpu_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
     return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets, expert_counts).contiguous()
 
 
@@ -449,6 +476,7 @@ def silu_mul_quant(
     expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
+    _check_cpu_segments("silu_mul_quant", expert_offsets, h.shape[0], expert_counts)
     a2, s = R.silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     return a2.contiguous(), _as_scales(s, True)
 
@@ -482,6 +510,7 @@ def _silu_mul_quant_fake(h: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
 @_custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
 def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     V.validate_finalize(y, topk_weights, token_to_row)
+    _check_cpu_indices("finalize", "token_to_row", token_to_row, -1, y.shape[0])
     return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
 
 

@@ -374,6 +374,30 @@ def test_fused_moe_refuses_zero_local_experts(rnd) -> None:
         cute_moe.fused_moe_routed(x, ids, wts, *none)
 
 
+def test_cpu_index_data_out_of_range_is_named(rnd) -> None:
+    """The CPU implementations read the index tensors: entries out of range get a ValueError naming
+    them (they gave IndexError / shape errors from inside the reference, or -2 was taken as -1)."""
+    x = torch.randn(3, 256).bfloat16()
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0]], dtype=torch.int32)
+    off, r2t, t2r, counts = cute_moe.align(ids, 4, alignment=8)
+    a, a_s = cute_moe.permute_quant(x, r2t, off)
+    w, w_s = rnd.expert_weights(4, 256, 256)
+    y = cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off)
+    m_cap = r2t.shape[0]
+    cases = [
+        (lambda: cute_moe.permute_quant(x, torch.where(r2t == 2, 3, r2t), off), "permute_quant: row_to_token entries must lie in \\[-1, 3\\), got 3"),
+        (lambda: cute_moe.permute_quant(x, torch.where(r2t == -1, -2, r2t), off), "row_to_token entries must lie in \\[-1, 3\\), got -2"),
+        (lambda: cute_moe.permute(a[:3], a_s[:3], torch.where(r2t == 2, 7, r2t), off), "permute: row_to_token entries"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off + (m_cap + 1 - int(off[-1]))), f"grouped_gemm_fp8: expert_offsets entries must lie in \\[0, {m_cap + 1}\\), got {m_cap + 1}"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off.flip(0)), "grouped_gemm_fp8: expert_offsets must be non-decreasing"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off, expert_counts=counts + 8), "expert_counts\\[e\\] must lie in"),
+        (lambda: cute_moe.finalize(y, torch.rand(3, 2), torch.where(t2r == t2r.max(), m_cap, t2r)), f"finalize: token_to_row entries must lie in \\[-1, {m_cap}\\), got {m_cap}"),
+    ]  # fmt: skip
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
 def test_cuda_impl_validates_before_importing_kernel() -> None:
     with pytest.raises(ValueError, match="group_size"):
         O.quant_fp8.kernels["cuda"](torch.randn(4, 100), 128)
