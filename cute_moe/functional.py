@@ -112,7 +112,8 @@ def route(
     """Top-k expert routing (all math in f32; ties go to the lower expert id).
 
     Args:
-        router_logits: ``[T, E]`` f32 or bf16.
+        router_logits: ``[T, E]`` f32 or bf16, finite (not checked: a NaN or inf in a row makes
+            that token's weights NaN; other tokens are unaffected).
         top_k: experts per token, ``1 <= top_k <= E``.
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.

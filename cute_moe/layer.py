@@ -569,6 +569,9 @@ class FusedMoE(torch.nn.Module):
         def key(e: int, proj: str, scale: bool = False) -> str:
             return f"{prefix}experts.{e}.{proj}.{'weight_scale_inv' if scale else 'weight'}"
 
+        if key(num_experts, gate_n) in src:
+            _fail(where, f"the checkpoint holds {key(num_experts, gate_n)!r}: num_experts = {num_experts} must be the "
+                         "layer's expert count (the router's), not fewer")  # fmt: skip
         first = key(expert_offset, gate_n)
         w0 = src.get(first, f"expert {expert_offset}'s {gate_n} weight")
         if not isinstance(w0, Tensor) or w0.dim() != 2:
@@ -675,6 +678,9 @@ class _Experts:
     def get(self, e: int, shape: tuple[int, int], what: str) -> Tensor:
         t = self.items[e]
         _check_tensor(self.where, f"{self.name}[{e}]", t, _FLOAT_W, shape, what)
+        if not bool(torch.isfinite(t).all()):
+            _fail(self.where, f"{self.name}[{e}] must be finite (a non-finite weight makes its 128x128 block's "
+                              "scale inf or NaN, and the layer's output NaN)")  # fmt: skip
         return t
 
 

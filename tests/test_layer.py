@@ -201,6 +201,17 @@ def test_from_hf_fp8_state_dict_round_trip() -> None:
     no_bias = {k: v for k, v in sd.items() if not k.endswith("e_score_correction_bias")}
     with pytest.warns(UserWarning, match=r"routing_method='deepseek_v3' and the checkpoint has no .*e_score_correction"):
         assert FusedMoE.from_hf_fp8(no_bias, PREFIX, E, TOP_K, **DSV3).score_bias is None
+    # fewer experts than the checkpoint holds: a truncated layer, refused
+    with pytest.raises(ValueError, match=r"holds 'model\.layers\.3\.mlp\.experts\.4\.gate_proj\.weight': num_experts = 4"):
+        FusedMoE.from_hf_fp8(no_bias, PREFIX, 4, TOP_K)
+
+
+def test_from_bf16_refuses_non_finite_weights() -> None:
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = _bf16_weights(g)
+    w2[3, 7, 9] = float("inf")
+    with pytest.raises(ValueError, match=r"FusedMoE\.from_bf16: w2\[3\] must be finite"):
+        FusedMoE.from_bf16(w13, w2, top_k=TOP_K)
 
 
 def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
