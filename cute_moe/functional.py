@@ -15,8 +15,10 @@ return them MN-major, i.e. with strides ``(1, rows)``. Index tensors are int32
 with ``-1`` for "padding row" / "expert not local"; their entries must be in range
 (``row_to_token`` in ``[-1, T)``, ``token_to_row`` in ``[-1, M_cap)``, ``expert_offsets``
 non-decreasing in ``[0, M_cap]``, ``expert_counts[e]`` at most segment e's length): the
-CPU implementations check that (``ValueError``), the GPU kernels cannot without a host
-sync, and out-of-range entries are outside the contract there. ``M_cap`` is the static row
+CPU implementations check that (``ValueError``); the GPU kernels cannot without a host
+sync, and out-of-range entries are outside the contract there (``CUTE_MOE_DEBUG=1`` turns
+on host checks, with a sync, of align's ids, finalize's ``token_to_row`` and the KV cache's
+block ids). ``M_cap`` is the static row
 bound ``round_up(T*k + min(T*k, E_local)*(alignment-1), alignment)`` (0 when
 T == 0), see :func:`cute_moe.reference.m_cap`.
 """
@@ -112,8 +114,9 @@ def route(
     """Top-k expert routing (all math in f32; ties go to the lower expert id).
 
     Args:
-        router_logits: ``[T, E]`` f32 or bf16, finite (not checked: a NaN or inf in a row makes
-            that token's weights NaN; other tokens are unaffected).
+        router_logits: ``[T, E]`` f32 or bf16, finite (not checked: a NaN or inf in a row gives
+            that token an unspecified selection and weights, NaN for some methods; other tokens
+            are unaffected).
         top_k: experts per token, ``1 <= top_k <= E``.
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.

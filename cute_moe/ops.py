@@ -18,7 +18,8 @@ Each op has
 that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
-Validation only reads metadata (never tensor data); the fake implementations run one
+Validation only reads metadata (never tensor data; the CPU implementations check their
+index data, ``_check_cpu_indices``); the fake implementations run one
 check of it, that all tensors share a device (``check_same_device``: a call mixing
 meta and real tensors must raise, not return empty memory). Importing this module neither imports ``cutlass`` nor
 initialises CUDA: kernels are imported lazily inside the CUDA implementations.
@@ -181,8 +182,11 @@ def _launcher(module: str, name: str) -> Callable[..., Any]:
 
 
 def _empty_mn_major(like: Tensor, rows: Any, cols: Any) -> Tensor:
-    """f32 [rows, cols] with strides (1, rows): the MN-major ("column-major") scale layout."""
-    return like.new_empty((cols, rows), dtype=torch.float32).t()
+    """f32 [rows, cols] with strides (1, rows): the MN-major ("column-major") scale layout.  Not a
+    view (``new_empty((cols, rows)).t()`` was one): the CPU implementations run under no_grad, and
+    torch refuses in-place changes to a view made there once grad mode is back on."""
+    # Strides as torch gives new_empty((cols, rows)).t(), the CUDA kernels' outputs: (1, max(rows, 1)).
+    return like.new_empty_strided((rows, cols), (1, torch.sym_max(rows, 1)), dtype=torch.float32)
 
 
 def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
@@ -213,9 +217,9 @@ def _check_cpu_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_coun
 
 
 def _as_scales(s: Tensor, mn_major: bool) -> Tensor:
-    """``s`` in the layout the fake implementation promises (a copy only when needed)."""
+    """``s`` in the layout the fake implementation promises, not a view (a copy only when needed)."""
     out = _empty_scales(s, s.shape[0], s.shape[1], mn_major)
-    if out.stride() == s.stride():
+    if out.stride() == s.stride() and s._base is None:
         return s
     return out.copy_(s)
 
@@ -327,7 +331,8 @@ def _align_cuda(
     align_cuda = _launcher("align", "align_cuda")
     debug_check_index_range = _launcher("host_checks", "debug_check_index_range")
 
-    debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
+    if num_experts != _INT32_MAX:  # fused_moe_routed's bound: there any id is legal (non-local ones count for nothing)
+        debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
     return align_cuda(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
 

@@ -18,12 +18,19 @@ def test_main_job_runs_on_the_cpu_on_a_gpu_without_kernels(monkeypatch):
     import torch
 
     from cute_moe import __main__ as main
+    from cute_moe.compiler import arch_of_device_index
 
+    # arch_of_device_index caches per device: on a GPU machine device 0 is already known there.
+    arch_of_device_index.cache_clear()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    device, where = main._pick_device()
+    try:
+        device, where = main._pick_device()
+    finally:
+        monkeypatch.undo()
+        arch_of_device_index.cache_clear()
     assert device.type == "cpu" and "compute capability 8.0" in where and "A100" in where
 
 
@@ -34,15 +41,30 @@ def test_quantized_codes_rule_is_the_documented_one():
 
     from cute_moe.__main__ import _codes_within_one_step
 
-    ref_codes = torch.linspace(-400, 400, 20000).to(torch.float8_e4m3fn)
+    ref_codes = torch.linspace(-448, 448, 20000).to(torch.float8_e4m3fn)
     scales = torch.rand(20000, 1)
     step = ref_codes.view(torch.int8).clone()
-    step[7] += 1  # one code one step away: 1 of 20000 = 5e-5
+    step[5000] += 1  # one code one step away: 1 of 20000 = 5e-5
     assert _codes_within_one_step((step.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
     two = step.clone()
-    two[9] += 2
+    two[6000] += 2
     assert not _codes_within_one_step((two.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
     many = step.clone()
-    many[100:104] += 1
+    many[7000:7004] += 1
     assert not _codes_within_one_step((many.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
     assert not _codes_within_one_step((ref_codes, scales * 1.0000001 + 1e-7), (ref_codes, scales), None, 1e-4)
+    # 448 (0x7E) against NaN (0x7F): one bit pattern apart, but never "one step"
+    nan = ref_codes.view(torch.uint8).clone()
+    top = int((ref_codes.float() == 448).nonzero()[0])
+    nan[top] = 0x7F
+    assert not _codes_within_one_step((nan.view(torch.float8_e4m3fn), scales), (ref_codes, scales), None, 1e-4)
+    # one step across zero (+0 and the smallest negative subnormal), and -0 against +0 (equal)
+    zero = torch.zeros(20000, dtype=torch.uint8)
+    near = zero.clone()
+    near[3] = 0x81
+    signed = zero.clone()
+    signed[5] = 0x80
+    as_fp8 = lambda t: t.view(torch.float8_e4m3fn)  # noqa: E731
+    assert _codes_within_one_step((as_fp8(near), scales), (as_fp8(zero), scales), None, 1e-4)
+    assert _codes_within_one_step((as_fp8(signed), scales), (as_fp8(zero), scales), None, 0.0)
+    assert _codes_within_one_step((ref_codes[:0], scales[:0]), (ref_codes[:0], scales[:0]), None, 1e-4)

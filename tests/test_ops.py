@@ -361,6 +361,11 @@ def test_ops_are_inference_only(rnd) -> None:
     for out in (cute_moe.moe_reduce(h, w), *cute_moe.quant_fp8(h.reshape(6, 256)),
                 *cute_moe.route(torch.randn(3, 8, requires_grad=True), 2, "softmax")):  # fmt: skip
         assert not out.requires_grad
+    # MN-major scales made under no_grad are not views: changing them in place with grad mode on
+    # (an operand that requires grad) is allowed, as for any fresh tensor.
+    _, s = cute_moe.quant_fp8(h.reshape(6, 256), column_major_scales=True)
+    assert s.stride() == (1, 6) and s._base is None
+    s.add_(torch.zeros_like(s).requires_grad_())
 
 
 def test_fused_moe_refuses_zero_local_experts(rnd) -> None:
@@ -392,10 +397,30 @@ def test_cpu_index_data_out_of_range_is_named(rnd) -> None:
         (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off.flip(0)), "grouped_gemm_fp8: expert_offsets must be non-decreasing"),
         (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off, expert_counts=counts + 8), "expert_counts\\[e\\] must lie in"),
         (lambda: cute_moe.finalize(y, torch.rand(3, 2), torch.where(t2r == t2r.max(), m_cap, t2r)), f"finalize: token_to_row entries must lie in \\[-1, {m_cap}\\), got {m_cap}"),
+        (lambda: cute_moe.permute_quant(x, r2t, off, token_to_row=torch.where(t2r == t2r.max(), m_cap, t2r)), f"permute_quant: token_to_row entries must lie in \\[-1, {m_cap}\\)"),
+        (lambda: cute_moe.silu_mul_quant(torch.randn(m_cap, 256).bfloat16(), off.flip(0)), "silu_mul_quant: expert_offsets must be non-decreasing"),
+        (lambda: cute_moe.silu_mul_quant(torch.randn(m_cap, 256).bfloat16(), off, expert_counts=counts - 1), "silu_mul_quant: expert_counts\\[e\\] must lie in"),
     ]  # fmt: skip
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+def test_sm100_gemm_warns_once_that_it_never_ran(monkeypatch) -> None:
+    import warnings  # noqa: PLC0415
+
+    from cute_moe.kernels import grouped_gemm as gemm  # noqa: PLC0415
+
+    monkeypatch.setattr(gemm, "_sm100_warned", False)
+    gemm._arch_launcher.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # an error the first time, and still usable after it
+            with pytest.raises(UserWarning, match="sm_100a kernel is compiled and SASS-checked only and has never run"):
+                gemm._arch_launcher("sm_100a")
+            assert callable(gemm._arch_launcher("sm_100a"))
+    finally:
+        gemm._arch_launcher.cache_clear()
 
 
 def test_cuda_impl_validates_before_importing_kernel() -> None:

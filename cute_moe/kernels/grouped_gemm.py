@@ -16,6 +16,9 @@ import torch
 from ..compiler import arch_of_device_index
 
 
+_sm100_warned = False
+
+
 @functools.cache
 def _arch_launcher(arch: str):
     """The launch function of ``arch``'s kernel, imported on first use (and kept: patching the
@@ -27,11 +30,14 @@ def _arch_launcher(arch: str):
     if arch == "sm_100a":
         from .grouped_gemm_sm100 import grouped_gemm_fp8_sm100_cuda
 
-        warnings.warn(
-            "cute_moe.grouped_gemm_fp8: the sm_100a kernel is compiled and SASS-checked only and has never "
-            "run on hardware; tests/test_gpu_grouped_gemm_sm100.py is its acceptance test",
-            stacklevel=3,
-        )
+        global _sm100_warned
+        if not _sm100_warned:  # once, even where warnings are errors (the cache keeps no exception)
+            _sm100_warned = True
+            warnings.warn(
+                "cute_moe.grouped_gemm_fp8: the sm_100a kernel is compiled and SASS-checked only and has never "
+                "run on hardware; tests/test_gpu_grouped_gemm_sm100.py is its acceptance test",
+                stacklevel=2,
+            )
 
         # It computes every row, so it takes no expert_counts.
         return lambda a, a_scale, b, b_scale, offsets, _: grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale, offsets)
