@@ -76,7 +76,8 @@ def _finite(out, rows=None) -> bool:
     """Every value of the step's output finite, over its first ``rows`` rows only: the rest of an
     M_cap buffer is unspecified (the GEMM never writes rows past the last segment, so they hold
     whatever the allocator's memory held, NaN included)."""
-    return all(bool(torch.isfinite(o[:rows].float()).all()) for o in (out if isinstance(out, (tuple, list)) else (out,)))
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return all(bool(torch.isfinite(o[:rows].float()).all()) for o in outs)
 
 
 def _e4m3_order(q: torch.Tensor) -> torch.Tensor:

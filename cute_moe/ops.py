@@ -19,10 +19,10 @@ that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
 Validation only reads metadata (never tensor data; the CPU implementations check their
-index data, ``_check_cpu_indices``); the fake implementations run one
-check of it, that all tensors share a device (``check_same_device``: a call mixing
-meta and real tensors must raise, not return empty memory). Importing this module neither imports ``cutlass`` nor
-initialises CUDA: kernels are imported lazily inside the CUDA implementations.
+index data, ``_check_cpu_indices``).  The fake implementations run one check of it, that
+all tensors share a device (``check_same_device``: a call mixing meta and real tensors
+must raise, not return empty memory).  Importing this module neither imports ``cutlass``
+nor initialises CUDA: kernels are imported lazily inside the CUDA implementations.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ class _Op:
         _OPS[self.name] = self
         _LIB.define(self.name + torch.library.infer_schema(fn, mutates_args=mutates_args))
         # No device type: a composition of other cute_moe ops, valid on every device.
-        _LIB.impl(self.name, _without_grad(fn), "CompositeExplicitAutograd" if device_types is None else device_types.upper())
+        key = "CompositeExplicitAutograd" if device_types is None else device_types.upper()
+        _LIB.impl(self.name, _without_grad(fn), key)
         _LIB.impl(self.name, torch.library.fallthrough_kernel, "Autograd")
         self.__wrapped__ = fn
         self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests

@@ -389,18 +389,30 @@ def test_cpu_index_data_out_of_range_is_named(rnd) -> None:
     w, w_s = rnd.expert_weights(4, 256, 256)
     y = cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off)
     m_cap = r2t.shape[0]
+    past_end = torch.where(t2r == t2r.max(), m_cap, t2r)
+    h = torch.randn(m_cap, 256).bfloat16()
+    row = "\\[-1, 3\\)"
     cases = [
-        (lambda: cute_moe.permute_quant(x, torch.where(r2t == 2, 3, r2t), off), "permute_quant: row_to_token entries must lie in \\[-1, 3\\), got 3"),
-        (lambda: cute_moe.permute_quant(x, torch.where(r2t == -1, -2, r2t), off), "row_to_token entries must lie in \\[-1, 3\\), got -2"),
-        (lambda: cute_moe.permute(a[:3], a_s[:3], torch.where(r2t == 2, 7, r2t), off), "permute: row_to_token entries"),
-        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off + (m_cap + 1 - int(off[-1]))), f"grouped_gemm_fp8: expert_offsets entries must lie in \\[0, {m_cap + 1}\\), got {m_cap + 1}"),
-        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off.flip(0)), "grouped_gemm_fp8: expert_offsets must be non-decreasing"),
-        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off, expert_counts=counts + 8), "expert_counts\\[e\\] must lie in"),
-        (lambda: cute_moe.finalize(y, torch.rand(3, 2), torch.where(t2r == t2r.max(), m_cap, t2r)), f"finalize: token_to_row entries must lie in \\[-1, {m_cap}\\), got {m_cap}"),
-        (lambda: cute_moe.permute_quant(x, r2t, off, token_to_row=torch.where(t2r == t2r.max(), m_cap, t2r)), f"permute_quant: token_to_row entries must lie in \\[-1, {m_cap}\\)"),
-        (lambda: cute_moe.silu_mul_quant(torch.randn(m_cap, 256).bfloat16(), off.flip(0)), "silu_mul_quant: expert_offsets must be non-decreasing"),
-        (lambda: cute_moe.silu_mul_quant(torch.randn(m_cap, 256).bfloat16(), off, expert_counts=counts - 1), "silu_mul_quant: expert_counts\\[e\\] must lie in"),
-    ]  # fmt: skip
+        (lambda: cute_moe.permute_quant(x, torch.where(r2t == 2, 3, r2t), off),
+         f"permute_quant: row_to_token entries must lie in {row}, got 3"),
+        (lambda: cute_moe.permute_quant(x, torch.where(r2t == -1, -2, r2t), off),
+         f"row_to_token entries must lie in {row}, got -2"),
+        (lambda: cute_moe.permute_quant(x, r2t, off, token_to_row=past_end),
+         f"permute_quant: token_to_row entries must lie in \\[-1, {m_cap}\\)"),
+        (lambda: cute_moe.permute(a[:3], a_s[:3], torch.where(r2t == 2, 7, r2t), off),
+         "permute: row_to_token entries"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off + (m_cap + 1 - int(off[-1]))),
+         f"grouped_gemm_fp8: expert_offsets entries must lie in \\[0, {m_cap + 1}\\), got {m_cap + 1}"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off.flip(0)),
+         "grouped_gemm_fp8: expert_offsets must be non-decreasing"),
+        (lambda: cute_moe.grouped_gemm_fp8(a, a_s, w, w_s, off, expert_counts=counts + 8),
+         "expert_counts\\[e\\] must lie in"),
+        (lambda: cute_moe.silu_mul_quant(h, off.flip(0)), "silu_mul_quant: expert_offsets must be non-decreasing"),
+        (lambda: cute_moe.silu_mul_quant(h, off, expert_counts=counts - 1),
+         "silu_mul_quant: expert_counts\\[e\\] must lie in"),
+        (lambda: cute_moe.finalize(y, torch.rand(3, 2), past_end),
+         f"finalize: token_to_row entries must lie in \\[-1, {m_cap}\\), got {m_cap}"),
+    ]
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
