@@ -496,6 +496,13 @@ class FusedMoE(torch.nn.Module):
                 for ex, rows in ((gate, gate_rows), (up, up_rows)):
                     q13[j, rows[0]], s13[j, rows[1]] = R.quant_block_128x128_ref(ex.get(e, (I, H), "[I, H]").to(dev))
                 q2[j], s2[j] = R.quant_block_128x128_ref(down.get(e, (H, I), "[H, I]").to(dev))
+        # A non-finite weight makes its block's scale inf or NaN (and the layer's output NaN): the
+        # scales, 1/16384 of the weights, show it without a second pass over the weights.
+        for name, s in (("w13", s13), ("w2", s2)):
+            bad = ~torch.isfinite(s).flatten(1).all(1)
+            if bool(bad.any()):
+                _fail(where, f"{name}[{first + int(bad.nonzero()[0])}] must be finite (a non-finite weight makes its "
+                             "128x128 block's scale inf or NaN, and the layer's output NaN)")  # fmt: skip
         return cls.from_fp8(
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
@@ -678,9 +685,6 @@ class _Experts:
     def get(self, e: int, shape: tuple[int, int], what: str) -> Tensor:
         t = self.items[e]
         _check_tensor(self.where, f"{self.name}[{e}]", t, _FLOAT_W, shape, what)
-        if not bool(torch.isfinite(t).all()):
-            _fail(self.where, f"{self.name}[{e}] must be finite (a non-finite weight makes its 128x128 block's "
-                              "scale inf or NaN, and the layer's output NaN)")  # fmt: skip
         return t
 
 

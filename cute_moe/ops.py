@@ -61,7 +61,7 @@ _G = V.ACT_GROUP_SIZE
 _MOE_ALIGNMENT = 128  # row alignment fused_moe(_routed) uses for align()
 # fused_moe_routed gets global expert ids but not the global expert count; any id
 # >= expert_offset + E_local is simply "not local", so it passes this bound to align.
-_INT32_MAX = 2**31 - 1
+_ANY_EXPERT = V.INT32_MAX
 
 
 # ----------------------------------------------------------------------------
@@ -332,7 +332,7 @@ def _align_cuda(
     align_cuda = _launcher("align", "align_cuda")
     debug_check_index_range = _launcher("host_checks", "debug_check_index_range")
 
-    if num_experts != _INT32_MAX:  # fused_moe_routed's bound: there any id is legal (non-local ones count for nothing)
+    if num_experts != _ANY_EXPERT:  # fused_moe_routed's bound: there any id is legal (non-local ones count for nothing)
         debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
     return align_cuda(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
@@ -604,7 +604,7 @@ def fused_moe_routed(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt
     )
     return _moe_from_topk(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _INT32_MAX, expert_offset, gate_first, act_scale_fmt
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _ANY_EXPERT, expert_offset, gate_first, act_scale_fmt
     )
 
 

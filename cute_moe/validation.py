@@ -35,6 +35,7 @@ from cute_moe import reference as R
 __all__ = [
     "ACT_GROUP_SIZE",
     "FP8_DTYPE",
+    "INT32_MAX",
     "KV_LAYOUTS",
     "ROUTING_METHODS",
     "SCALE_FMTS",
@@ -74,7 +75,7 @@ KV_LAYOUTS = ("bshd", "bhsd")
 _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_ACT = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32,)
-_INT32_MAX = 2**31 - 1  # the kernels index rows, experts and offsets in int32
+INT32_MAX = 2**31 - 1  # the kernels index rows, experts and offsets in int32
 _GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32 (kernels/reduce_common.MAX_K)
 # Tensor types whose data_ptr() is a real address: a Parameter built from a fake tensor has the
 # fake tensor's type, not Parameter.
@@ -401,8 +402,8 @@ def validate_align(
 ) -> None:
     op = "align"
     _tensor(op, "topk_ids", topk_ids, _INDEX, 2, "[T, k]")
-    check_int(op, "num_experts", num_experts, min=1, max=_INT32_MAX, max_what="2**31 - 1")
-    check_int(op, "alignment", alignment, min=1, max=_INT32_MAX, max_what="2**31 - 1")
+    check_int(op, "num_experts", num_experts, min=1, max=INT32_MAX, max_what="2**31 - 1")
+    check_int(op, "alignment", alignment, min=1, max=INT32_MAX, max_what="2**31 - 1")
     if num_local_experts is not None:
         check_int(op, "num_local_experts", num_local_experts, min=1)
     e_local = num_experts if num_local_experts is None else num_local_experts
@@ -410,7 +411,7 @@ def validate_align(
     if topk_ids.shape[1] > num_experts:
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= num_experts = {num_experts}, got {topk_ids.shape[1]}")
     T, k = topk_ids.shape
-    if R.m_cap(T, k, e_local, alignment) > _INT32_MAX:
+    if R.m_cap(T, k, e_local, alignment) > INT32_MAX:
         _fail(op, f"M_cap = round_up(T*k + min(T*k, E_local)*(alignment - 1), alignment) must fit in int32, got "
                   f"T = {T}, k = {k}, E_local = {e_local}, alignment = {alignment}")  # fmt: skip
 
@@ -597,7 +598,7 @@ def validate_fused_moe_routed(
     op = "fused_moe_routed"
     e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
     _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
-    check_int(op, "expert_offset", expert_offset, min=0, max=_INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
+    check_int(op, "expert_offset", expert_offset, min=0, max=INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
     if x.is_cuda and x.shape[0] and topk_ids.shape[1] > _GPU_MAX_TOPK:  # T = 0 launches nothing
         # Checked here, not by finalize at the end, so that nothing has launched yet.
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= {_GPU_MAX_TOPK} on the GPU, got {topk_ids.shape[1]}",

@@ -212,6 +212,10 @@ def test_from_bf16_refuses_non_finite_weights() -> None:
     w2[3, 7, 9] = float("inf")
     with pytest.raises(ValueError, match=r"FusedMoE\.from_bf16: w2\[3\] must be finite"):
         FusedMoE.from_bf16(w13, w2, top_k=TOP_K)
+    w2[3, 7, 9] = 0.0
+    w13[5, 1, 2] = float("nan")
+    with pytest.raises(ValueError, match=r"FusedMoE\.from_bf16: w13\[5\] must be finite"):
+        FusedMoE.from_bf16(w13, w2, top_k=TOP_K)
 
 
 def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
