@@ -324,6 +324,7 @@ def fused_moe_routed(
     expert_offset: int = 0,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
+    apply_router_weight_on_input: bool = False,
 ) -> Tensor:
     """A whole FP8 MoE layer from precomputed top-k:
     align -> permute_quant -> grouped_gemm_fp8(w13) -> silu_mul_quant -> grouped_gemm_fp8(w2) -> finalize.
@@ -343,13 +344,19 @@ def fused_moe_routed(
         expert_offset: first global expert id owned by this rank.
         gate_first: half order of w13's output (see :func:`silu_mul_quant`).
         act_scale_fmt: scale format of the activation quantizations (``None`` or ``"ue8m0"``).
+        apply_router_weight_on_input: ``False``: ``out[t] = sum_j w[t, j] * expert_j(x[t])`` (DeepSeek,
+            Qwen, Mixtral). ``True``: ``out[t] = expert(w[t, 0] * x[t])``, HF Llama-4's convention
+            (vLLM's flag of the same name; the product is rounded to bf16 before quantization, as
+            the model's own multiply). The SwiGLU makes the two differ. ``True`` needs ``k == 1``
+            (``NotImplementedError`` otherwise).
 
     Returns:
         ``out``: ``[T, H]`` bf16.
     """
     return _ops.fused_moe_routed(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt
-    )
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
+        apply_router_weight_on_input,
+    )  # fmt: skip
 
 
 @_api
@@ -371,6 +378,7 @@ def fused_moe(
     num_experts: Optional[int] = None,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
+    apply_router_weight_on_input: Optional[bool] = None,
 ) -> Tensor:
     """A whole FP8 MoE layer from router logits: :func:`route` then :func:`fused_moe_routed`.
 
@@ -383,13 +391,16 @@ def fused_moe(
             inside ``[0, E_global)``.
         num_experts: global expert count; defaults to ``router_logits.shape[1]`` and must equal it if given.
         gate_first, act_scale_fmt: see :func:`fused_moe_routed`.
+        apply_router_weight_on_input: see :func:`fused_moe_routed`. ``None`` (default): ``True`` for
+            ``routing_method="llama4"`` (the model's convention; it needs ``top_k == 1``), ``False``
+            otherwise.
 
     Returns:
         ``out``: ``[T, H]`` bf16.
     """
     return _ops.fused_moe(
         x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
-        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt,
+        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
     )  # fmt: skip
 
 

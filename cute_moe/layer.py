@@ -86,6 +86,7 @@ def _check_config(
     num_local_experts: Any,
     gate_first: Any,
     act_scale_fmt: Any,
+    apply_router_weight_on_input: Any,
 ) -> int:
     """Every rule of the layer's configuration, before anything is allocated. Returns E_local."""
     V.check_int(where, "num_experts", num_experts, min=1)
@@ -111,6 +112,7 @@ def _check_config(
         _fail(where, f"gate_first must be a bool, got {type(gate_first).__name__}", TypeError)
     if act_scale_fmt not in V.SCALE_FMTS:
         _fail(where, f"act_scale_fmt must be None or 'ue8m0', got {act_scale_fmt!r}")
+    V.weight_on_input(where, apply_router_weight_on_input, routing_method, top_k)
     return int(num_local_experts)
 
 
@@ -163,6 +165,10 @@ class FusedMoE(torch.nn.Module):
         gate_first: row order of ``w13`` (``True``: gate then up, the HF / DeepSeek order;
             ``False``: up then gate, FlashInfer's order).
         act_scale_fmt: scale format of the activation quantizations, ``None`` or ``"ue8m0"``.
+        apply_router_weight_on_input: ``True``: each token's expert gets ``weight * x`` and its output is
+            not weighted, HF Llama-4's convention (needs ``top_k == 1``); ``False``: the outputs are
+            weighted. ``None`` (default): ``True`` for ``routing_method="llama4"``, else ``False``. See
+            :func:`cute_moe.fused_moe_routed`.
         device: where the buffers are allocated (``"meta"`` allocates nothing; use ``to_empty`` then
             ``load_state_dict``). The buffers start as zeros; the ``from_*`` constructors fill them.
 
@@ -192,6 +198,7 @@ class FusedMoE(torch.nn.Module):
         num_local_experts: Optional[int] = None,
         gate_first: bool = True,
         act_scale_fmt: Optional[str] = None,
+        apply_router_weight_on_input: Optional[bool] = None,
         device: Optional[Union[torch.device, str]] = None,
     ) -> None:
         super().__init__()
@@ -200,6 +207,7 @@ class FusedMoE(torch.nn.Module):
         e_local = _check_config(
             "FusedMoE", num_experts, top_k, hidden_size, intermediate_size, routing_method, n_group, topk_group,
             routed_scaling_factor, has_score_bias, expert_offset, num_local_experts, gate_first, act_scale_fmt,
+            apply_router_weight_on_input,
         )  # fmt: skip
         self.num_experts = int(num_experts)
         self.top_k = int(top_k)
@@ -213,6 +221,9 @@ class FusedMoE(torch.nn.Module):
         self.num_local_experts = e_local
         self.gate_first = gate_first
         self.act_scale_fmt = act_scale_fmt
+        self.apply_router_weight_on_input = V.weight_on_input(
+            "FusedMoE", apply_router_weight_on_input, routing_method, top_k
+        )
         H, I = self.hidden_size, self.intermediate_size
         zeros = torch.empty if torch.device(device or "cpu").type == "meta" else torch.zeros
         self.register_buffer("w13", zeros(e_local, 2 * I, H, dtype=_FP8, device=device))
@@ -234,7 +245,8 @@ class FusedMoE(torch.nn.Module):
 
         Returns:
             ``[..., H]`` bf16: the sum over this module's experts among each token's top-k of
-            ``weight * expert(x)``. Under expert parallelism, sum this over the ranks.
+            ``weight * expert(x)`` (``expert(weight * x)`` with ``apply_router_weight_on_input``). Under
+            expert parallelism, sum this over the ranks.
         """
         x2, lead = _flat(x, "x", "H")
         logits, _ = _flat(router_logits, "router_logits", "num_experts", lead)
@@ -255,6 +267,7 @@ class FusedMoE(torch.nn.Module):
             num_experts=self.num_experts,
             gate_first=self.gate_first,
             act_scale_fmt=self.act_scale_fmt,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
         )
         return out.reshape(*lead, self.hidden_size)
 
@@ -280,6 +293,7 @@ class FusedMoE(torch.nn.Module):
             expert_offset=self.expert_offset,
             gate_first=self.gate_first,
             act_scale_fmt=self.act_scale_fmt,
+            apply_router_weight_on_input=self.apply_router_weight_on_input,
         )
         return out.reshape(*lead, self.hidden_size)
 
@@ -341,6 +355,8 @@ class FusedMoE(torch.nn.Module):
             s += ", gate_first=False"
         if self.act_scale_fmt is not None:
             s += f", act_scale_fmt={self.act_scale_fmt!r}"
+        if self.apply_router_weight_on_input:
+            s += ", apply_router_weight_on_input=True"
         return s
 
     # ------------------------------------------------------------------ constructors
@@ -363,6 +379,7 @@ class FusedMoE(torch.nn.Module):
         expert_offset: int = 0,
         gate_first: bool = True,
         act_scale_fmt: Optional[str] = None,
+        apply_router_weight_on_input: Optional[bool] = None,
     ) -> "FusedMoE":
         """A layer over already quantized weights (kept as they are, no copy when contiguous).
 
@@ -397,7 +414,7 @@ class FusedMoE(torch.nn.Module):
             num_experts, top_k, H, I, routing_method=routing_method, n_group=n_group, topk_group=topk_group,
             routed_scaling_factor=routed_scaling_factor, has_score_bias=score_bias is not None,
             expert_offset=expert_offset, num_local_experts=e_local, gate_first=gate_first,
-            act_scale_fmt=act_scale_fmt, device="meta",
+            act_scale_fmt=act_scale_fmt, apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
         )  # fmt: skip
         bias = _check_score_bias(where, score_bias, layer.num_experts)
         # Detached: the layer is inference-only, and buffers that keep their source's autograd
@@ -427,6 +444,7 @@ class FusedMoE(torch.nn.Module):
         num_local_experts: Optional[int] = None,
         gate_first: bool = True,
         act_scale_fmt: Optional[str] = None,
+        apply_router_weight_on_input: Optional[bool] = None,
         device: Optional[Union[torch.device, str]] = None,
     ) -> "FusedMoE":
         """Quantize high-precision expert weights with 128x128 blocks (``reference.quant_block_128x128_ref``).
@@ -475,6 +493,7 @@ class FusedMoE(torch.nn.Module):
         e_local = _check_config(
             where, num_experts, top_k, H, I, routing_method, n_group, topk_group, routed_scaling_factor,
             score_bias is not None, expert_offset, num_local_experts, gate_first, act_scale_fmt,
+            apply_router_weight_on_input,
         )  # fmt: skip
         if E_w == num_experts:
             first = expert_offset
@@ -507,7 +526,7 @@ class FusedMoE(torch.nn.Module):
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
             score_bias=None if bias is None else bias.to(dev), expert_offset=expert_offset,
-            gate_first=gate_first, act_scale_fmt=act_scale_fmt,
+            gate_first=gate_first, act_scale_fmt=act_scale_fmt, apply_router_weight_on_input=apply_router_weight_on_input,
         )  # fmt: skip
 
     @classmethod
@@ -526,6 +545,7 @@ class FusedMoE(torch.nn.Module):
         num_local_experts: Optional[int] = None,
         gate_first: bool = True,
         act_scale_fmt: Optional[str] = None,
+        apply_router_weight_on_input: Optional[bool] = None,
         proj_names: tuple[str, str, str] = _HF_PROJ_NAMES,
         device: Optional[Union[torch.device, str]] = None,
     ) -> "FusedMoE":
@@ -568,7 +588,7 @@ class FusedMoE(torch.nn.Module):
         # The configuration first (H and I are checked once the first expert is read).
         e_local = _check_config(
             where, num_experts, top_k, _B, _B, routing_method, n_group, topk_group, routed_scaling_factor,
-            False, expert_offset, num_local_experts, gate_first, act_scale_fmt,
+            False, expert_offset, num_local_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
         )  # fmt: skip
         src = _TensorSource(where, checkpoint, device)
         gate_n, up_n, down_n = proj_names
@@ -634,6 +654,7 @@ class FusedMoE(torch.nn.Module):
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, score_bias=bias,
             expert_offset=expert_offset, gate_first=gate_first, act_scale_fmt=act_scale_fmt,
+            apply_router_weight_on_input=apply_router_weight_on_input,
         )  # fmt: skip
 
 

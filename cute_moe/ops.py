@@ -569,8 +569,15 @@ def _moe_from_topk(
     expert_offset: int,
     gate_first: bool,
     act_scale_fmt: Optional[str],
+    weight_on_input: bool,
 ) -> Tensor:
     e_local = w13.shape[0]
+    if weight_on_input:
+        # HF Llama-4's convention (vLLM's apply_router_weight_on_input): the experts see w * x, rounded
+        # to x's dtype as the model's own multiply would; top_k == 1, so finalize then sums one
+        # unweighted row per token.
+        x = (x.float() * topk_weights).to(x.dtype)
+        topk_weights = torch.ones_like(topk_weights)
     if topk_ids.is_cuda:
         offsets, row_to_token, token_to_row, counts = call(
             "align", topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
@@ -599,13 +606,16 @@ def fused_moe_routed(
     expert_offset: int = 0,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
+    apply_router_weight_on_input: bool = False,
 ) -> Tensor:
-    V.validate_fused_moe_routed(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt
-    )
+    on_input = V.validate_fused_moe_routed(
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
+        apply_router_weight_on_input,
+    )  # fmt: skip
     return _moe_from_topk(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _ANY_EXPERT, expert_offset, gate_first, act_scale_fmt
-    )
+        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _ANY_EXPERT, expert_offset, gate_first, act_scale_fmt,
+        on_input,
+    )  # fmt: skip
 
 
 @fused_moe_routed.register_fake
@@ -631,14 +641,17 @@ def fused_moe(
     num_experts: Optional[int] = None,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
+    apply_router_weight_on_input: Optional[bool] = None,
 ) -> Tensor:
-    V.validate_fused_moe(
+    on_input = V.validate_fused_moe(
         x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
-        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt,
+        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
     )  # fmt: skip
     ids, w = call("route", router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor)
     e_global = router_logits.shape[1]
-    return _moe_from_topk(x, ids, w, w13, w13_scale, w2, w2_scale, e_global, expert_offset, gate_first, act_scale_fmt)
+    return _moe_from_topk(
+        x, ids, w, w13, w13_scale, w2, w2_scale, e_global, expert_offset, gate_first, act_scale_fmt, on_input
+    )
 
 
 @fused_moe.register_fake

@@ -406,8 +406,16 @@ def fused_moe_routed_ref(
     expert_offset: int = 0,
     gate_first: bool = True,
     act_scale_fmt=None,
+    apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """Whole MoE layer from precomputed top-k; ids outside [expert_offset, expert_offset+E_local) contribute nothing."""
+    """Whole MoE layer from precomputed top-k; ids outside [expert_offset, expert_offset+E_local) contribute nothing.
+
+    apply_router_weight_on_input (top_k == 1): the expert gets bf16(w * x) and its output is not weighted."""
+    if apply_router_weight_on_input:
+        if topk_ids.shape[1] != 1:
+            raise ValueError(f"fused_moe_routed_ref: apply_router_weight_on_input needs top_k == 1, got {topk_ids.shape[1]}")
+        x = (x.float() * topk_weights).to(x.dtype)
+        topk_weights = torch.ones_like(topk_weights)
     offsets, row_to_token, token_to_row, _ = align_local(topk_ids, w13.shape[0], BLOCK, expert_offset)
     a, a_scale = permute_quant_ref(x, row_to_token, offsets, act_scale_fmt)
     h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, offsets)
@@ -433,14 +441,20 @@ def fused_moe_ref(
     num_experts=None,
     gate_first: bool = True,
     act_scale_fmt=None,
+    apply_router_weight_on_input=None,
 ) -> torch.Tensor:
-    """Whole MoE layer from router logits: route_ref -> fused_moe_routed_ref."""
+    """Whole MoE layer from router logits: route_ref -> fused_moe_routed_ref.
+
+    apply_router_weight_on_input=None: on the input for llama4 routing, on the outputs otherwise."""
     if num_experts is not None and num_experts != router_logits.shape[1]:
         raise ValueError(
             f"fused_moe_ref: num_experts={num_experts} must equal router_logits.shape[1]={router_logits.shape[1]}"
         )
     ids, w = route_ref(router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor)
-    return fused_moe_routed_ref(x, ids, w, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt)
+    on_input = routing_method == "llama4" if apply_router_weight_on_input is None else apply_router_weight_on_input
+    return fused_moe_routed_ref(
+        x, ids, w, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt, on_input
+    )
 
 
 def fill_kv_cache_fp8_ref(

@@ -64,6 +64,7 @@ __all__ = [
     "validate_quant_fp8",
     "validate_route",
     "validate_silu_mul_quant",
+    "weight_on_input",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -583,6 +584,22 @@ def _check_moe_weights(
     return E
 
 
+def weight_on_input(op: str, flag: Any, routing_method: Optional[str], top_k: int) -> bool:
+    """``apply_router_weight_on_input``, resolved: ``None`` takes the routing method's convention (on the
+    input for ``llama4``, as HF Llama-4 and vLLM apply it; on the expert outputs otherwise)."""
+    if flag is None:
+        flag = routing_method == "llama4"
+    check_bool(op, "apply_router_weight_on_input", flag)
+    if flag and top_k != 1:
+        _fail(
+            op,
+            f"apply_router_weight_on_input needs top_k == 1 (one weight scales the token's input), got top_k = "
+            f"{top_k}; pass apply_router_weight_on_input=False to weight the expert outputs instead",
+            NotImplementedError,
+        )
+    return flag
+
+
 def validate_fused_moe_routed(
     x: Tensor,
     topk_ids: Tensor,
@@ -594,7 +611,9 @@ def validate_fused_moe_routed(
     expert_offset: int = 0,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
-) -> None:
+    apply_router_weight_on_input: bool = False,
+) -> bool:
+    """Returns ``apply_router_weight_on_input``."""
     op = "fused_moe_routed"
     e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
     _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
@@ -606,6 +625,7 @@ def validate_fused_moe_routed(
     check_same_device(
         op, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale
     )
+    return weight_on_input(op, apply_router_weight_on_input, None, topk_ids.shape[1])
 
 
 def validate_fused_moe(
@@ -625,7 +645,9 @@ def validate_fused_moe(
     num_experts: Optional[int] = None,
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
-) -> None:
+    apply_router_weight_on_input: Optional[bool] = None,
+) -> bool:
+    """Returns ``apply_router_weight_on_input``, resolved (see :func:`weight_on_input`)."""
     op = "fused_moe"
     e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
     _check_routing(
@@ -662,6 +684,7 @@ def validate_fused_moe(
         w2_scale=w2_scale,
         score_bias=score_bias,
     )
+    return weight_on_input(op, apply_router_weight_on_input, routing_method, top_k)
 
 
 def _kv_cache_shape(layout: str, cache: Tensor) -> tuple[int, int, int, int]:

@@ -8,7 +8,8 @@ Models, all at full size (routed experts only):
 * Qwen3-30B-A3B   E=128, H=2048, I=768,   top-8, ``renormalize`` (norm_topk_prob), bf16 logits
 * Mixtral-8x7B    E=8,   H=4096, I=14336, top-2, ``renormalize`` (softmax over the top-k logits = HF Mixtral's
                   softmax, top-k, divide by the sum), bf16 logits
-* Llama-4-Scout   E=16,  H=5120, I=8192,  top-1, ``llama4`` (sigmoid of the top logit), bf16 logits
+* Llama-4-Scout   E=16,  H=5120, I=8192,  top-1, ``llama4`` (sigmoid of the top logit, applied to the
+                  expert's input, HF Llama-4's convention and fused_moe's default for it), bf16 logits
 
 for T in {0, 1, 5, 256, 4096} tokens (no case skipped: the reference of the largest, DeepSeek-V3
 at T=4096, is ~3e12 f32 FLOPs, well under a second on an H200).
@@ -214,9 +215,13 @@ def quant_dequant_rows(v: torch.Tensor, scale_fmt: Optional[str]) -> torch.Tenso
 
 
 def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset: int = 0,
-                  gate_first: bool = True, act_scale_fmt: Optional[str] = None) -> torch.Tensor:  # fmt: skip
+                  gate_first: bool = True, act_scale_fmt: Optional[str] = None,
+                  apply_router_weight_on_input: bool = False) -> torch.Tensor:  # fmt: skip
     """bf16 [T, H]: the layer of ``reference.fused_moe_routed_ref`` (see the module docstring), per
     touched local expert, dequantizing only those experts' weights, one expert at a time."""
+    if apply_router_weight_on_input:  # top_k == 1: the expert sees bf16(w * x), its output unweighted
+        x = (x.float() * topk_weights).to(torch.bfloat16)
+        topk_weights = torch.ones_like(topk_weights)
     T, H = x.shape
     k = topk_ids.shape[1]
     e_local, inter = w13.shape[0], w13.shape[1] // 2
@@ -251,6 +256,7 @@ def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset:
 def layer_reference(m: Model, w: Weights, x, logits, *, experts: slice = slice(None), expert_offset: int = 0,
                     **kw) -> torch.Tensor:  # fmt: skip
     ids, wts = route_ref(m, w, logits)
+    kw.setdefault("apply_router_weight_on_input", m.routing == "llama4")  # fused_moe's default
     return reference_moe(x, ids, wts, w.w13[experts], w.s13[experts], w.w2[experts], w.s2[experts],
                          expert_offset=expert_offset, **kw)  # fmt: skip
 
@@ -338,6 +344,24 @@ def test_fused_moe_matches_reference(model: str, T: int):
     out = run_layer(m, w, x, logits)
     assert out.shape == (T, m.H) and out.dtype == torch.bfloat16
     check_layer(out, ref, f"{m.name} T={T}", route_diag(m, w, logits))
+
+
+@pytest.mark.parametrize("T", [1, 256])
+def test_llama4_router_weight_on_input_and_on_output(T: int):
+    """Llama-4 Scout: fused_moe weights the input by default (HF's convention), the outputs with
+    apply_router_weight_on_input=False, and fused_moe_routed does either when told; each against the
+    reference of its own convention."""
+    m, w = MODELS["llama4_scout"], weights("llama4_scout")
+    x, logits = make_inputs(m, w, T, seed=77 + T)
+    ids, wts = route_ref(m, w, logits)
+    for on_input in (True, False):
+        ref = layer_reference(m, w, x, logits, apply_router_weight_on_input=on_input)
+        poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+        out = run_layer(m, w, x, logits, apply_router_weight_on_input=on_input)
+        check_layer(out, ref, f"{m.name} T={T} fused_moe on_input={on_input}", route_diag(m, w, logits))
+        poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+        routed = cute_moe.fused_moe_routed(x, ids, wts, w.w13, w.s13, w.w2, w.s2, apply_router_weight_on_input=on_input)
+        check_layer(routed, ref, f"{m.name} T={T} fused_moe_routed on_input={on_input}")
 
 
 def test_fused_moe_gate_second_and_ue8m0_scales():

@@ -1,6 +1,6 @@
 """cute_moe.FusedMoE against HuggingFace transformers' own MoE blocks (CPU, small random configs).
 
-For DeepseekV3MoE, Qwen3MoeSparseMoeBlock and MixtralSparseMoeBlock: the HF block gets *our*
+For DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock and Llama4TextMoe: the HF block gets *our*
 dequantized FP8 expert weights (``dequant_block_128x128_ref`` of the 128x128-quantized weights, so
 both sides use the identical weights), runs in float32, and sees the same hidden states. Checked:
 
@@ -266,3 +266,56 @@ def test_mixtral_sparse_moe_block(gate_first: bool) -> None:
     _check_routing(layer, logits, hf_w, hf_ids)
     _check_outputs(layer, block, x, logits, hf_w, hf_ids, layer(x, logits), want)
 
+
+# ----------------------------------------------------------------------------- Llama-4
+
+
+def test_llama4_text_moe() -> None:
+    """Llama4TextMoe: top-1 of the router logits, sigmoid of the chosen logit, applied to the expert's
+    *input* (HF: ``routed_in = hidden_states * router_scores``), the convention ``FusedMoE`` takes
+    for routing_method='llama4'. The shared expert is added from the HF block, as for DeepSeek-V3.
+    Weighting the outputs instead is of order 10% off here: the test shows that it would fail."""
+    from transformers import Llama4TextConfig
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    E = 16
+    g = torch.Generator().manual_seed(400)
+    w13, w2 = _weights(g, E)
+    layer = FusedMoE.from_bf16(w13, w2, top_k=1, routing_method="llama4")
+    cfg = Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=1,
+                           hidden_act="silu")  # fmt: skip
+    block = Llama4TextMoe(_eager(cfg)).float().eval()
+    w13_f = R.dequant_block_128x128_ref(layer.w13, layer.w13_scale)
+    w2_f = R.dequant_block_128x128_ref(layer.w2, layer.w2_scale)
+    assert block.experts.gate_up_proj.shape == (E, H, 2 * I) and block.experts.down_proj.shape == (E, I, H)
+    with torch.no_grad():
+        block.experts.gate_up_proj.copy_(w13_f.transpose(1, 2))  # [E, H, 2I], gate columns first
+        block.experts.down_proj.copy_(w2_f.transpose(1, 2))
+        block.router.weight.copy_(torch.randn(E, H, generator=g) * H**-0.5)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    xf = x.float()
+    with torch.no_grad():
+        out, logits = block(xf[None])
+        shared = block.shared_expert(xf)
+        scores, _ = block.router(xf)
+    hf_w, hf_ids = scores.max(dim=1, keepdim=True)  # the one non-zero score per token
+    _check_routing(layer, logits.float(), hf_w, hf_ids)
+    got = layer(x, logits.float()).float() + shared
+    err, err_tok = _rel_l2(got, out), _rel_l2_token(got, out)
+    assert err <= REL_L2 and err_tok <= REL_L2_TOKEN, (err, err_tok)
+
+    # the expert path alone, on exactly the FP8 input our first GEMM multiplies
+    xs = (xf * hf_w).bfloat16()
+    q, s = R.quant_fp8_ref(xs)
+    xq = q.float() * s.repeat_interleave(128, dim=1)
+    routed_in = torch.zeros(E, T, H)
+    routed_in[hf_ids[:, 0], torch.arange(T)] = xq
+    with torch.no_grad():
+        want_q = block.experts(routed_in.view(E * T, H)).view(E, T, H).sum(dim=0)
+    routed = layer(x, logits.float())
+    err, err_tok = _rel_l2(routed, want_q), _rel_l2_token(routed, want_q)
+    assert err <= REL_L2_XQ and err_tok <= REL_L2_XQ_TOKEN, (err, err_tok)
+
+    on_output = FusedMoE.from_fp8(layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, top_k=1,
+                                  routing_method="llama4", apply_router_weight_on_input=False)  # fmt: skip
+    assert _rel_l2(on_output(x, logits.float()).float() + shared, out) > 2 * REL_L2

@@ -128,6 +128,24 @@ def test_from_bf16_input_forms_and_half_order() -> None:
     assert _equal(up_first(x, logits), base(x, logits))
 
 
+def test_llama4_layer_weights_its_input() -> None:
+    """routing_method='llama4' applies the router weight to the input by default (HF Llama-4), through
+    forward and forward_routed; ``False`` keeps the outputs weighted."""
+    g = torch.Generator().manual_seed(5)
+    w13, w2 = _bf16_weights(g)
+    x, logits = _inputs(g)
+    layer = FusedMoE.from_bf16(w13, w2, top_k=1, routing_method="llama4")
+    assert layer.apply_router_weight_on_input and "apply_router_weight_on_input=True" in repr(layer)
+    ids, w = layer.route(logits)
+    want = R.fused_moe_routed_ref(x, ids, w, layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, 0, True, None, True)
+    assert _equal(layer(x, logits), want) and _equal(layer.forward_routed(x, ids, w), want)
+    on_output = FusedMoE.from_fp8(layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, top_k=1,
+                                  routing_method="llama4", apply_router_weight_on_input=False)  # fmt: skip
+    assert not on_output.apply_router_weight_on_input
+    assert _equal(on_output(x, logits), R.fused_moe_routed_ref(x, ids, w, on_output.w13, on_output.w13_scale,
+                                                                on_output.w2, on_output.w2_scale))  # fmt: skip
+
+
 def test_forward_routed_and_route_match_forward() -> None:
     g = torch.Generator().manual_seed(2)
     w13, w2 = _bf16_weights(g)
@@ -394,6 +412,12 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
         ("offset < 0", lambda: ctor(expert_offset=-1), ValueError, r"expert_offset must be >= 0"),
         ("gate_first", lambda: ctor(gate_first=1), TypeError, r"gate_first must be a bool"),
         ("act fmt", lambda: ctor(act_scale_fmt="e8m0"), ValueError, r"act_scale_fmt must be None or 'ue8m0'"),
+        ("llama4 top_k", lambda: ctor(routing_method="llama4"), NotImplementedError,
+         r"apply_router_weight_on_input needs top_k == 1 .*, got top_k = 2"),
+        ("weight on input type", lambda: ctor(top_k=1, apply_router_weight_on_input=1), TypeError,
+         r"apply_router_weight_on_input must be a bool, got int"),
+        ("hf weight on input", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, apply_router_weight_on_input=True),
+         NotImplementedError, r"apply_router_weight_on_input needs top_k == 1"),
         # from_fp8
         ("fp8 dtype", lambda: FusedMoE.from_fp8(q13.float(), s13, q2, s2, top_k=2), TypeError,
          r"w13 must be float8_e4m3fn, got torch.float32"),

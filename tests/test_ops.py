@@ -121,10 +121,10 @@ def _moe_weights(rnd, E_local: int) -> tuple:
     return w13, s13, w2, s2
 
 
-def fused_routed(T, **kw) -> Case:
+def fused_routed(T, k=2, **kw) -> Case:
     def build(rnd):
-        ids = rnd.topk_ids(T, 2, 8)
-        args = (rnd.randn(T, H), ids, rnd.weights(T, 2), *_moe_weights(rnd, 4))
+        ids = rnd.topk_ids(T, k, 8)
+        args = (rnd.randn(T, H), ids, rnd.weights(T, k), *_moe_weights(rnd, 4))
         return "fused_moe_routed", args, {"expert_offset": 2, **kw}
 
     return build
@@ -208,6 +208,7 @@ CASES: dict[str, Case] = {
     "moe_reduce-f32-T0": moe_reduce(0, F32),
     "fused_moe_routed": fused_routed(5),
     "fused_moe_routed-upfirst-ue8m0": fused_routed(3, gate_first=False, act_scale_fmt="ue8m0"),
+    "fused_moe_routed-weight-on-input": fused_routed(5, k=1, apply_router_weight_on_input=True),
     "fused_moe-deepseek_v3-ep": fused(
         5,
         8,
@@ -223,6 +224,8 @@ CASES: dict[str, Case] = {
     ),
     "fused_moe-renormalize": fused(4, 4, 4, 2, "renormalize"),
     "fused_moe-softmax-T0": fused(0, 4, 4, 2, "softmax"),
+    "fused_moe-llama4": fused(5, 8, 4, 1, "llama4"),
+    "fused_moe-llama4-weight-on-output": fused(5, 8, 8, 1, "llama4", apply_router_weight_on_input=False),
     "fill_kv_cache_fp8-bshd": kv(),
     "fill_kv_cache_fp8-bhsd-ue8m0-f32": kv("bhsd", dtype=F32, scale_fmt="ue8m0"),
     "fill_kv_cache_fp8-mla-k-only": kv(with_v=False, D=192, group_size=64),
@@ -347,6 +350,42 @@ def test_fused_moe_routed_negative_ids_contribute_nothing(rnd) -> None:
         got = cute_moe.fused_moe_routed(x, torch.where(dropped, outside, ids), weights, w13, s13, w2, s2)
         want = cute_moe.fused_moe_routed(x, ids, torch.where(dropped, 0.0, weights), w13, s13, w2, s2)
         _assert_equal(got, want)
+
+
+def test_router_weight_on_input(rnd) -> None:
+    """apply_router_weight_on_input (HF Llama-4's convention): the expert sees bf16(w * x) and its
+    output is not weighted; llama4 routing takes it by default. The two conventions differ (SwiGLU is
+    not linear), so a layer that weighted the outputs would fail this."""
+    _, args, _ = _build("fused_moe-llama4", rnd)
+    x, logits, w13, s13, w2, s2, top_k, method = args
+    ids, w = cute_moe.route(logits, top_k, method)
+    on_input = cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, apply_router_weight_on_input=True)
+    scaled_x = (x.float() * w).bfloat16()
+    _assert_equal(on_input, cute_moe.fused_moe_routed(scaled_x, ids, torch.ones_like(w), w13, s13, w2, s2))
+    _assert_equal(cute_moe.fused_moe(*args), on_input)
+    on_output = cute_moe.fused_moe(*args, apply_router_weight_on_input=False)
+    _assert_equal(on_output, cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2))
+    touched = on_input.float().norm(dim=1) > 0
+    assert touched.sum() >= 2
+    rel = ((on_input.float() - on_output.float()).norm() / on_output.float().norm()).item()
+    assert rel > 0.1, rel  # of order one here, where the FP8 tolerance is ~5%
+
+
+def test_router_weight_on_input_needs_top_1(rnd) -> None:
+    _, args, kwargs = _build("fused_moe-renormalize", rnd)
+    x, logits, w13, s13, w2, s2, top_k, _ = args
+    assert top_k == 2
+    on_input = r"apply_router_weight_on_input needs top_k == 1 \(one weight scales the token's input\), got top_k = 2"
+    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe: " + on_input):
+        cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "llama4")  # llama4's default
+    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe: " + on_input):
+        cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "softmax", apply_router_weight_on_input=True)
+    ids, w = cute_moe.route(logits, top_k, "llama4")
+    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe_routed: " + on_input):
+        cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, apply_router_weight_on_input=True)
+    # the outputs weighted instead: any top_k
+    out = cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "llama4", apply_router_weight_on_input=False)
+    _assert_equal(out, cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2))
 
 
 def test_ops_are_inference_only(rnd) -> None:
