@@ -330,7 +330,7 @@ def fused_moe_routed(
     align -> permute_quant -> grouped_gemm_fp8(w13) -> silu_mul_quant -> grouped_gemm_fp8(w2) -> finalize.
 
     Args:
-        x: ``[T, H]`` bf16, ``H % 128 == 0``, ``H >= 128``; on the GPU rows 16-byte aligned.
+        x: ``[T, H]`` bf16 or fp16, ``H % 128 == 0``, ``H >= 128``; on the GPU rows 16-byte aligned.
         topk_ids: ``[T, k]`` int32 global expert ids; ids outside
             ``[expert_offset, expert_offset + E_local)``, negative ones included (-1 for a masked
             slot, as vLLM's expert map gives), are not local and contribute nothing.
@@ -346,12 +346,13 @@ def fused_moe_routed(
         act_scale_fmt: scale format of the activation quantizations (``None`` or ``"ue8m0"``).
         apply_router_weight_on_input: ``False``: ``out[t] = sum_j w[t, j] * expert_j(x[t])`` (DeepSeek,
             Qwen, Mixtral). ``True``: ``out[t] = expert(w[t, 0] * x[t])``, HF Llama-4's convention
-            (vLLM's flag of the same name; the product is rounded to bf16 before quantization, as
-            the model's own multiply). The SwiGLU makes the two differ. ``True`` needs ``k == 1``
+            (vLLM's flag of the same name; ``w`` is rounded to x's dtype and the product too, as both
+            compute it). The SwiGLU makes the two differ. ``True`` needs ``k == 1``
             (``NotImplementedError`` otherwise).
 
     Returns:
-        ``out``: ``[T, H]`` bf16.
+        ``out``: ``[T, H]`` in x's dtype (finalize sums in f32 and rounds to bf16; fp16 output is
+        converted from that).
     """
     return _ops.fused_moe_routed(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
@@ -383,7 +384,7 @@ def fused_moe(
     """A whole FP8 MoE layer from router logits: :func:`route` then :func:`fused_moe_routed`.
 
     Args:
-        x: ``[T, H]`` bf16.
+        x: ``[T, H]`` bf16 or fp16.
         router_logits: ``[T, E_global]`` f32 or bf16.
         w13, w13_scale, w2, w2_scale: the local experts' weights, see :func:`fused_moe_routed`.
         top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor: see :func:`route`.
@@ -396,7 +397,7 @@ def fused_moe(
             otherwise.
 
     Returns:
-        ``out``: ``[T, H]`` bf16.
+        ``out``: ``[T, H]`` in x's dtype.
     """
     return _ops.fused_moe(
         x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,

@@ -239,12 +239,12 @@ class FusedMoE(torch.nn.Module):
         """The routed experts' output for ``x``.
 
         Args:
-            x: ``[..., H]`` bf16 hidden states.
+            x: ``[..., H]`` bf16 or fp16 hidden states.
             router_logits: ``[..., num_experts]`` f32 or bf16 logits over the *global* experts, with the
                 leading dims of ``x``.
 
         Returns:
-            ``[..., H]`` bf16: the sum over this module's experts among each token's top-k of
+            ``[..., H]`` in x's dtype: the sum over this module's experts among each token's top-k of
             ``weight * expert(x)`` (``expert(weight * x)`` with ``apply_router_weight_on_input``). Under
             expert parallelism, sum this over the ranks.
         """
@@ -275,7 +275,7 @@ class FusedMoE(torch.nn.Module):
         """The routed experts' output for a top-k computed elsewhere.
 
         Args:
-            x: ``[..., H]`` bf16.
+            x: ``[..., H]`` bf16 or fp16.
             topk_ids: ``[..., k]`` int32 *global* expert ids (ids this module does not own contribute nothing).
             topk_weights: ``[..., k]`` f32, applied as given (no ``routed_scaling_factor``).
         """

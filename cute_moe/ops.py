@@ -573,10 +573,10 @@ def _moe_from_topk(
 ) -> Tensor:
     e_local = w13.shape[0]
     if weight_on_input:
-        # HF Llama-4's convention (vLLM's apply_router_weight_on_input): the experts see w * x, rounded
-        # to x's dtype as the model's own multiply would; top_k == 1, so finalize then sums one
+        # HF Llama-4's convention (vLLM's apply_router_weight_on_input): the experts see w * x, with w
+        # rounded to x's dtype first, as both compute it; top_k == 1, so finalize then sums one
         # unweighted row per token.
-        x = (x.float() * topk_weights).to(x.dtype)
+        x = x * topk_weights.to(x.dtype)
         topk_weights = torch.ones_like(topk_weights)
     if topk_ids.is_cuda:
         offsets, row_to_token, token_to_row, counts = call(
@@ -591,7 +591,10 @@ def _moe_from_topk(
     h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)
     a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt, counts)
     y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)
-    return call("finalize", y, topk_weights, token_to_row)
+    out = call("finalize", y, topk_weights, token_to_row)
+    # finalize writes bf16; fp16 hidden states get one conversion pass (bf16's 8 mantissa bits are
+    # far below the FP8 activations' error)
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
 @_custom_op(f"{_NS}::fused_moe_routed", mutates_args=())
@@ -620,7 +623,7 @@ def fused_moe_routed(
 
 @fused_moe_routed.register_fake
 def _fused_moe_routed_fake(x: Tensor, *_: Any) -> Tensor:
-    return x.new_empty(x.shape, dtype=torch.bfloat16)
+    return x.new_empty(x.shape)
 
 
 @_custom_op(f"{_NS}::fused_moe", mutates_args=())
@@ -656,7 +659,7 @@ def fused_moe(
 
 @fused_moe.register_fake
 def _fused_moe_fake(x: Tensor, *_: Any) -> Tensor:
-    return x.new_empty(x.shape, dtype=torch.bfloat16)
+    return x.new_empty(x.shape)
 
 
 # ----------------------------------------------------------------------------

@@ -410,18 +410,19 @@ def fused_moe_routed_ref(
 ) -> torch.Tensor:
     """Whole MoE layer from precomputed top-k; ids outside [expert_offset, expert_offset+E_local) contribute nothing.
 
-    apply_router_weight_on_input (top_k == 1): the expert gets bf16(w * x) and its output is not weighted."""
+    apply_router_weight_on_input (top_k == 1): the expert gets x * w (w rounded to x's dtype first, the
+    product rounded to it, as HF Llama-4 and vLLM) and its output is not weighted."""
     if apply_router_weight_on_input:
         if topk_ids.shape[1] != 1:
             raise ValueError(f"fused_moe_routed_ref: apply_router_weight_on_input needs top_k == 1, got {topk_ids.shape[1]}")
-        x = (x.float() * topk_weights).to(x.dtype)
+        x = x * topk_weights.to(x.dtype)
         topk_weights = torch.ones_like(topk_weights)
     offsets, row_to_token, token_to_row, _ = align_local(topk_ids, w13.shape[0], BLOCK, expert_offset)
     a, a_scale = permute_quant_ref(x, row_to_token, offsets, act_scale_fmt)
     h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, offsets)
     a2, a2_scale = silu_mul_quant_ref(h, offsets, gate_first, act_scale_fmt)
     y = grouped_gemm_fp8_ref(a2, a2_scale, w2, w2_scale, offsets)
-    return finalize_ref(y, topk_weights, token_to_row)
+    return finalize_ref(y, topk_weights, token_to_row).to(x.dtype)
 
 
 def fused_moe_ref(

@@ -566,7 +566,7 @@ def _check_moe_weights(
     act_scale_fmt: Optional[str],
 ) -> int:
     """x and the expert weights of a fused MoE layer. Returns E_local."""
-    _tensor(op, "x", x, torch.bfloat16, 2, "[T, H]", tma=True)
+    _tensor(op, "x", x, _HALF_ACT, 2, "[T, H]", tma=True)
     H = x.shape[1]
     check_divisible(op, "H (x.shape[1])", H, ACT_GROUP_SIZE)
     if H == 0:

@@ -219,8 +219,8 @@ def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset:
                   apply_router_weight_on_input: bool = False) -> torch.Tensor:  # fmt: skip
     """bf16 [T, H]: the layer of ``reference.fused_moe_routed_ref`` (see the module docstring), per
     touched local expert, dequantizing only those experts' weights, one expert at a time."""
-    if apply_router_weight_on_input:  # top_k == 1: the expert sees bf16(w * x), its output unweighted
-        x = (x.float() * topk_weights).to(torch.bfloat16)
+    if apply_router_weight_on_input:  # top_k == 1: the expert sees x * bf16(w), its output unweighted
+        x = x * topk_weights.to(x.dtype)
         topk_weights = torch.ones_like(topk_weights)
     T, H = x.shape
     k = topk_ids.shape[1]
@@ -362,6 +362,16 @@ def test_llama4_router_weight_on_input_and_on_output(T: int):
         poison_for_layer(T, m.top_k, m.E, m.H, m.I)
         routed = cute_moe.fused_moe_routed(x, ids, wts, w.w13, w.s13, w.w2, w.s2, apply_router_weight_on_input=on_input)
         check_layer(routed, ref, f"{m.name} T={T} fused_moe_routed on_input={on_input}")
+
+
+def test_fused_moe_fp16_hidden_states():
+    """fp16 x (values a bf16 can hold, so both quantize alike) gives the bf16 layer's output in fp16."""
+    m, w = MODELS["qwen3_30b_a3b"], weights("qwen3_30b_a3b")
+    x, logits = make_inputs(m, w, 256, seed=88)
+    want = run_layer(m, w, x, logits)
+    poison_for_layer(256, m.top_k, m.E, m.H, m.I)
+    out = run_layer(m, w, x.half(), logits)
+    assert out.dtype == torch.float16 and torch.equal(out, want.half())
 
 
 def test_fused_moe_gate_second_and_ue8m0_scales():

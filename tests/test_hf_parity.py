@@ -305,7 +305,7 @@ def test_llama4_text_moe() -> None:
     assert err <= REL_L2 and err_tok <= REL_L2_TOKEN, (err, err_tok)
 
     # the expert path alone, on exactly the FP8 input our first GEMM multiplies
-    xs = (xf * hf_w).bfloat16()
+    xs = x * hf_w.bfloat16()  # what our layer quantizes: the score in bf16, as a bf16 model's router gives it
     q, s = R.quant_fp8_ref(xs)
     xq = q.float() * s.repeat_interleave(128, dim=1)
     routed_in = torch.zeros(E, T, H)

@@ -146,6 +146,15 @@ def test_llama4_layer_weights_its_input() -> None:
                                                                 on_output.w2, on_output.w2_scale))  # fmt: skip
 
 
+def test_fp16_hidden_states() -> None:
+    """fp16 x gives fp16 out: the bf16 layer's output converted, when x holds the same values."""
+    g = torch.Generator().manual_seed(6)
+    layer = FusedMoE.from_bf16(*_bf16_weights(g), top_k=TOP_K)
+    x, logits = _inputs(g)
+    out = layer(x.half(), logits)
+    assert out.dtype == torch.float16 and _equal(out, layer(x, logits).half())
+
+
 def test_forward_routed_and_route_match_forward() -> None:
     g = torch.Generator().manual_seed(2)
     w13, w2 = _bf16_weights(g)
@@ -487,7 +496,7 @@ def test_forward_errors_name_the_argument() -> None:
     x = torch.randn(4, H).bfloat16()
     with pytest.raises(ValueError, match=r"num_experts must equal router_logits.shape\[1\] = 16 when given, got 8"):
         layer(x, torch.randn(4, 16))
-    with pytest.raises(TypeError, match=r"cute_moe.fused_moe: x must be bfloat16"):
+    with pytest.raises(TypeError, match=r"cute_moe.fused_moe: x must be one of bfloat16, float16, got torch.float32"):
         layer(x.float(), torch.randn(4, E))
     with pytest.raises(ValueError, match=r"cute_moe.FusedMoE: router_logits must have the leading dims of x \[4\]"):
         layer(x, torch.randn(5, E))

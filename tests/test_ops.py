@@ -121,10 +121,10 @@ def _moe_weights(rnd, E_local: int) -> tuple:
     return w13, s13, w2, s2
 
 
-def fused_routed(T, k=2, **kw) -> Case:
+def fused_routed(T, k=2, x_dtype=BF16, **kw) -> Case:
     def build(rnd):
         ids = rnd.topk_ids(T, k, 8)
-        args = (rnd.randn(T, H), ids, rnd.weights(T, k), *_moe_weights(rnd, 4))
+        args = (rnd.randn(T, H, dtype=x_dtype), ids, rnd.weights(T, k), *_moe_weights(rnd, 4))
         return "fused_moe_routed", args, {"expert_offset": 2, **kw}
 
     return build
@@ -209,6 +209,7 @@ CASES: dict[str, Case] = {
     "fused_moe_routed": fused_routed(5),
     "fused_moe_routed-upfirst-ue8m0": fused_routed(3, gate_first=False, act_scale_fmt="ue8m0"),
     "fused_moe_routed-weight-on-input": fused_routed(5, k=1, apply_router_weight_on_input=True),
+    "fused_moe_routed-fp16": fused_routed(4, x_dtype=F16),
     "fused_moe-deepseek_v3-ep": fused(
         5,
         8,
@@ -353,14 +354,14 @@ def test_fused_moe_routed_negative_ids_contribute_nothing(rnd) -> None:
 
 
 def test_router_weight_on_input(rnd) -> None:
-    """apply_router_weight_on_input (HF Llama-4's convention): the expert sees bf16(w * x) and its
+    """apply_router_weight_on_input (HF Llama-4's convention): the expert sees x * bf16(w) and its
     output is not weighted; llama4 routing takes it by default. The two conventions differ (SwiGLU is
     not linear), so a layer that weighted the outputs would fail this."""
     _, args, _ = _build("fused_moe-llama4", rnd)
     x, logits, w13, s13, w2, s2, top_k, method = args
     ids, w = cute_moe.route(logits, top_k, method)
     on_input = cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, apply_router_weight_on_input=True)
-    scaled_x = (x.float() * w).bfloat16()
+    scaled_x = x * w.bfloat16()
     _assert_equal(on_input, cute_moe.fused_moe_routed(scaled_x, ids, torch.ones_like(w), w13, s13, w2, s2))
     _assert_equal(cute_moe.fused_moe(*args), on_input)
     on_output = cute_moe.fused_moe(*args, apply_router_weight_on_input=False)
