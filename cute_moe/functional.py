@@ -124,6 +124,22 @@ def route(
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
         routed_scaling_factor: multiplies the final weights (every method); finite and > 0.
 
+    The methods (``s``: scores over all E experts; ``w``: the chosen experts' weights):
+
+    * ``softmax``: ``s = softmax(logits)``, top-k of ``s``, ``w = s`` (Qwen2-MoE, OLMoE, Qwen3-MoE with
+      ``norm_topk_prob=False``).
+    * ``renormalize``: top-k of the logits, ``w`` their softmax (Mixtral, Qwen3-MoE with
+      ``norm_topk_prob=True``).
+    * ``deepseek_v3``: ``s = sigmoid(logits)``; the top-k of ``s + score_bias`` inside the
+      ``topk_group`` groups whose two best biased scores sum highest; ``w = s`` of those,
+      **renormalized** to sum 1 (HF's ``norm_topk_prob=True``). DeepSeek-V3/R1 and GLM-4.5; with
+      ``n_group=1`` Kimi-K2, MiniMax-M2, LFM2-MoE and AFMoE (its ``route_scale`` is
+      ``routed_scaling_factor``). A model of this family with ``norm_topk_prob=False`` is not
+      covered: route it with its own code and call :func:`fused_moe_routed`.
+    * ``llama4``: top-k of the logits, ``w = sigmoid(logit)`` (Llama-4, which applies ``w`` to the
+      expert's input: see ``apply_router_weight_on_input`` of :func:`fused_moe`).
+    * ``sigmoid_renorm``: top-k of ``sigmoid(logits)``, renormalized.
+
     On the GPU: ``E <= 512``, ``top_k <= 32`` (``<= 8`` for ``deepseek_v3``); ``NotImplementedError``
     otherwise, where the CPU computes the same routing.
 

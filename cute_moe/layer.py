@@ -67,6 +67,16 @@ _FLOAT_W = (torch.bfloat16, torch.float16, torch.float32)
 _fail = V._fail  # cute_moe.<where>: <message>
 _cdiv = V._cdiv
 _HF_PROJ_NAMES = ("gate_proj", "up_proj", "down_proj")  # DeepSeek-V3 / Qwen3-MoE; Mixtral: ("w1", "w3", "w2")
+# HF FP8 checkpoints store weight_scale_inv as f32, bf16 or fp16 (Qwen3 FP8 releases), or e8m0: all exact in f32
+_HF_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+# Where checkpoints keep a sigmoid routing's selection bias (deepseek_v3's score_bias), by model family
+_HF_SCORE_BIAS_KEYS = (
+    "gate.e_score_correction_bias",  # DeepSeek-V3/R1, Kimi-K2, GLM-4.5
+    "e_score_correction_bias",  # MiniMax-M2
+    "expert_bias",  # AFMoE, LFM2-MoE
+)
+# A selection bias on softmax scores (ERNIE-4.5): no routing method computes that
+_HF_SOFTMAX_BIAS_KEY = "moe_statics.e_score_correction_bias"
 
 Checkpoint = Union[Mapping[str, Tensor], str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
@@ -450,9 +460,12 @@ class FusedMoE(torch.nn.Module):
         """Quantize high-precision expert weights with 128x128 blocks (``reference.quant_block_128x128_ref``).
 
         Args:
-            w13: either the fused ``[E, 2I, H]`` tensor with the **gate rows first** (HF's
-                ``experts.gate_up_proj`` layout, whatever ``gate_first`` the layer uses), or a pair
-                ``(gate_proj, up_proj)``, each ``[E, I, H]`` or a sequence of ``E`` tensors ``[I, H]``.
+            w13: either the fused ``[E, 2I, H]`` tensor with the **gate rows first** (the layout of
+                transformers' fused ``experts.gate_up_proj`` for DeepSeek-V3, Qwen3-MoE and Mixtral,
+                whatever ``gate_first`` the layer uses; Llama-4 stores the transpose ``[E, H, 2I]``: pass
+                ``gate_up_proj.transpose(1, 2)``), or a pair ``(gate_proj, up_proj)``, each ``[E, I, H]``
+                or a sequence of ``E`` tensors ``[I, H]``. Interleaved gate/up rows (gpt-oss) are not
+                this layout.
             w2: ``[E, H, I]`` (HF's ``experts.down_proj``) or a sequence of ``E`` tensors ``[H, I]``.
             num_experts: global expert count; defaults to the weights' expert count ``E``.
             expert_offset, num_local_experts: the slice this layer owns. The weights hold either every
@@ -552,9 +565,13 @@ class FusedMoE(torch.nn.Module):
         """Load one MoE layer from a HuggingFace FP8 checkpoint (DeepSeek-V3 ``weight_scale_inv`` format).
 
         Per expert ``e`` of the local slice it reads ``{prefix}experts.{e}.{gate_proj,up_proj}.weight``
-        (float8_e4m3fn ``[I, H]``) with ``.weight_scale_inv`` (f32 ``[ceil(I/128), ceil(H/128)]``) and
-        ``{prefix}experts.{e}.down_proj.weight`` (``[H, I]``) with its scales; for ``deepseek_v3`` routing
-        also ``{prefix}gate.e_score_correction_bias`` (``[num_experts]``) when present. ``{prefix}gate.weight``
+        (float8_e4m3fn ``[I, H]``) with ``.weight_scale_inv`` (``[ceil(I/128), ceil(H/128)]``, f32, bf16,
+        fp16 or e8m0, kept as f32) and ``{prefix}experts.{e}.down_proj.weight`` (``[H, I]``) with its
+        scales. For ``deepseek_v3`` routing also the selection bias (``[num_experts]``) when present,
+        under ``{prefix}gate.e_score_correction_bias`` (DeepSeek-V3, Kimi-K2, GLM-4.5),
+        ``{prefix}e_score_correction_bias`` (MiniMax-M2) or ``{prefix}expert_bias`` (AFMoE, LFM2-MoE);
+        with another method such a key is refused, as is ERNIE-4.5's softmax selection bias
+        (``{prefix}moe_statics.e_score_correction_bias``), which no method computes. ``{prefix}gate.weight``
         (the router) is **not** loaded: ``forward`` takes router logits.
 
         Args:
@@ -621,10 +638,10 @@ class FusedMoE(torch.nn.Module):
             s = src.get(sk, f"expert {e}'s {proj} block scales")
             _check_tensor(where, repr(wk), w, (_FP8,), (n, k), what)
             _check_tensor(
-                where, repr(sk), s, (torch.float32,), (_cdiv(n, _B), _cdiv(k, _B)),
+                where, repr(sk), s, _HF_SCALE_DTYPES, (_cdiv(n, _B), _cdiv(k, _B)),
                 f"[ceil({what[1]}/128), ceil({what[4]}/128)]",
             )  # fmt: skip
-            return w, s
+            return w, s.float()
 
         for j in range(e_local):
             e = expert_offset + j
@@ -634,13 +651,21 @@ class FusedMoE(torch.nn.Module):
         src.close()
 
         bias = None
-        bias_key = f"{prefix}gate.e_score_correction_bias"
-        if bias_key in src:
+        softmax_bias = prefix + _HF_SOFTMAX_BIAS_KEY
+        if softmax_bias in src:
+            _fail(where, f"the checkpoint has {softmax_bias!r}: ERNIE-4.5's selection bias on softmax scores, which "
+                         "no routing_method computes; route with the model's code and call forward_routed (load "
+                         "the experts from a state dict without that key)")  # fmt: skip
+        found = [prefix + k for k in _HF_SCORE_BIAS_KEYS if prefix + k in src]
+        if len(found) > 1:
+            _fail(where, f"the checkpoint has more than one routing bias: {found}")
+        if found:
+            bias_key = found[0]
             if routing_method != "deepseek_v3":
                 _fail(
                     where,
-                    f"the checkpoint has {bias_key!r} (a DeepSeek-V3 routing bias), which routing_method="
-                    f"{routing_method!r} would ignore: use routing_method='deepseek_v3'",
+                    f"the checkpoint has {bias_key!r} (a sigmoid routing's selection bias), which routing_method="
+                    f"{routing_method!r} would ignore: use routing_method='deepseek_v3' (n_group=1 without groups)",
                 )
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
@@ -648,7 +673,8 @@ class FusedMoE(torch.nn.Module):
         elif routing_method == "deepseek_v3":
             # Legal (grouped top-k without a bias), but a DeepSeek-V3 checkpoint always has one: a
             # wrong prefix or a dropped key would otherwise change the routing without a word.
-            warnings.warn(f"cute_moe.{where}: routing_method='deepseek_v3' and the checkpoint has no {bias_key!r}: "
+            looked = [prefix + k for k in _HF_SCORE_BIAS_KEYS]
+            warnings.warn(f"cute_moe.{where}: routing_method='deepseek_v3' and the checkpoint has none of {looked}: "
                           "routing without a score bias", stacklevel=2)  # fmt: skip
         return cls.from_fp8(
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,

@@ -226,7 +226,7 @@ def test_from_hf_fp8_state_dict_round_trip() -> None:
     assert _equal(up_first.w13[:, :I], layer.w13[:, I:]) and _equal(up_first(x, logits), layer(x, logits))
     # deepseek_v3 without the checkpoint's bias (a wrong prefix, a dropped key): loads, with a warning
     no_bias = {k: v for k, v in sd.items() if not k.endswith("e_score_correction_bias")}
-    with pytest.warns(UserWarning, match=r"routing_method='deepseek_v3' and the checkpoint has no .*e_score_correction"):
+    with pytest.warns(UserWarning, match=r"routing_method='deepseek_v3' and the checkpoint has none of \[.*gate\.e_score_c"):
         assert FusedMoE.from_hf_fp8(no_bias, PREFIX, E, TOP_K, **DSV3).score_bias is None
     # fewer experts than the checkpoint holds: a truncated layer, refused
     with pytest.raises(ValueError, match=r"holds 'model\.layers\.3\.mlp\.experts\.4\.gate_proj\.weight': num_experts = 4"):
@@ -243,6 +243,40 @@ def test_from_bf16_refuses_non_finite_weights() -> None:
     w13[5, 1, 2] = float("nan")
     with pytest.raises(ValueError, match=r"FusedMoE\.from_bf16: w13\[5\] must be finite"):
         FusedMoE.from_bf16(w13, w2, top_k=TOP_K)
+
+
+def test_from_hf_fp8_scale_dtypes_and_bias_keys() -> None:
+    """weight_scale_inv in bf16 / fp16 (Qwen3 FP8 releases) or e8m0 loads exactly as f32 (scales
+    chosen to be exact in each); the routing bias is found where MiniMax-M2 (block level) and
+    AFMoE / LFM2-MoE (``expert_bias``) keep it; ERNIE-4.5's softmax bias and a bias under another
+    method are refused rather than ignored."""
+    g = torch.Generator().manual_seed(8)
+    w13, w2 = _bf16_weights(g)
+    bias = torch.randn(E, generator=g) * 0.1
+    layer = FusedMoE.from_bf16(w13, w2, top_k=TOP_K, score_bias=bias, **DSV3)
+    for name in ("w13_scale", "w2_scale"):  # powers of two: exact in bf16, fp16 and e8m0
+        s = getattr(layer, name)
+        setattr(layer, name, torch.exp2(torch.log2(s).round()))
+    sd = _hf_state_dict(layer)
+    x, logits = _inputs(g)
+    for dt in (torch.bfloat16, torch.float16, torch.float8_e8m0fnu):
+        cast = {k: v.to(dt) if k.endswith("weight_scale_inv") else v for k, v in sd.items()}
+        loaded = FusedMoE.from_hf_fp8(cast, PREFIX, E, TOP_K, **DSV3)
+        _assert_same_weights(layer, loaded)
+        assert loaded.w13_scale.dtype == torch.float32
+    gate_key = f"{PREFIX}gate.e_score_correction_bias"
+    for key in ("e_score_correction_bias", "expert_bias"):
+        moved = {k: v for k, v in sd.items() if k != gate_key} | {PREFIX + key: bias}
+        loaded = FusedMoE.from_hf_fp8(moved, PREFIX, E, TOP_K, **DSV3)
+        assert _equal(loaded.score_bias, bias) and _equal(loaded(x, logits), layer(x, logits))
+        with pytest.raises(ValueError, match=rf"has '{re.escape(PREFIX + key)}' \(a sigmoid routing's selection "
+                                             r"bias\), which routing_method='sigmoid_renorm' would ignore"):  # fmt: skip
+            FusedMoE.from_hf_fp8(moved, PREFIX, E, TOP_K, routing_method="sigmoid_renorm")
+    with pytest.raises(ValueError, match=r"more than one routing bias"):
+        FusedMoE.from_hf_fp8(sd | {f"{PREFIX}expert_bias": bias}, PREFIX, E, TOP_K, **DSV3)
+    ernie = sd | {f"{PREFIX}moe_statics.e_score_correction_bias": bias[None]}
+    with pytest.raises(ValueError, match=r"ERNIE-4\.5's selection bias on softmax scores"):
+        FusedMoE.from_hf_fp8(ernie, PREFIX, E, TOP_K, routing_method="renormalize")
 
 
 def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
