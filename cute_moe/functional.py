@@ -92,7 +92,13 @@ def quant_fp8(
             (``NotImplementedError`` otherwise; the CPU takes any divisor).
         scale_fmt: ``None`` (scale = amax/448) or ``"ue8m0"`` (scale rounded up to a power of two,
             still stored as f32).
-        column_major_scales: return the scales MN-major (strides ``(1, M)``) instead of row-major.
+        column_major_scales: return the scales MN-major (strides ``(1, M)``, M not padded: vLLM's
+            ``column_major_scales``; DeepGEMM's TMA-aligned layout pads M to a multiple of 4)
+            instead of row-major.
+
+    ``amax`` has a floor of 1e-6 (``scale = max(amax, 1e-6) / 448``; vLLM and SGLang use 1e-10):
+    only groups whose values are all below 1e-6 in magnitude see it. Inputs must be finite: a NaN
+    or inf makes the codes *and the scale* of its group unspecified (the CPU and the GPU may differ).
 
     Returns:
         ``(q, scale)``: q ``[M, K]`` float8_e4m3fn, scale ``[M, K/group_size]`` f32.
@@ -315,9 +321,10 @@ def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Te
     Args:
         hidden: ``[T, k, H]`` bf16, fp16 or f32.
         weights: ``[T, k]`` f32.
-        fp32_acc: accumulate in f32; else, for 16-bit hidden, as lmdeploy does: the weights cast
-            to hidden's dtype and every product and running sum rounded to it, in order j
-            (on every device).
+        fp32_acc: accumulate in f32; else, for 16-bit hidden, lmdeploy's rounding model: the
+            weights cast to hidden's dtype and every product and running sum rounded to it, in
+            order j (on every device). lmdeploy's Triton kernel sums in a tree order of its own,
+            so the two agree in error size, not bit for bit.
 
     On the GPU: ``k <= 32`` and 16-byte rows; ``NotImplementedError`` otherwise.
 
@@ -445,7 +452,9 @@ def fill_kv_cache_fp8(
 
     Args:
         k_states: ``[N_tok, H_kv, D]`` bf16, fp16 or f32.
-        v_states: ``[N_tok, H_kv, Dv]`` (same dtype) or ``None`` (K-only cache, e.g. MLA).
+        v_states: ``[N_tok, H_kv, Dv]`` (same dtype) or ``None`` (K-only cache, e.g. MLA's latent
+            cache; every column of ``k_states`` is quantized, so a rope part meant to stay in 16
+            bits, as in FlashMLA's FP8 cache, is the caller's to store).
         k_cache: float8_e4m3fn, ``[num_blocks, block_size, H_kv, D]`` (``"bshd"``) or
             ``[num_blocks, H_kv, block_size, D]`` (``"bhsd"``), ``block_size >= 1``, no two
             elements at one address (no ``expand``). Mutated.
@@ -453,7 +462,9 @@ def fill_kv_cache_fp8(
         k_scale_cache, v_scale_cache: f32, the cache layout with last dim ``D/group_size``. Mutated.
         cu_seqlens_q: ``[B+1]`` int32 prefix sums of the new tokens per sequence (``[-1] == N_tok``,
             not checked).
-        kv_seqlens: ``[B]`` int32 sequence lengths including the new tokens.
+        kv_seqlens: ``[B]`` int32 sequence lengths **including** the new tokens (lmdeploy's
+            ``kv_seqlens``, vLLM's ``seq_lens``; a context length without them, such as vLLM's
+            ``context_lens``, puts the tokens that many slots too early).
         block_offsets: ``[B, max_blocks]`` int32 block table.
         group_size: must divide D (and Dv); on the GPU a power of two in ``[32, 1024]``
             (``NotImplementedError`` otherwise).
@@ -461,9 +472,11 @@ def fill_kv_cache_fp8(
         layout: ``"bshd"`` or ``"bhsd"``.
 
     ``v_states``, ``v_cache`` and ``v_scale_cache`` are all None or all tensors.
-    Nothing is written for a token past ``cu_seqlens_q[-1]``, a negative position, a block
-    index past ``max_blocks`` or a block id outside ``[0, num_blocks)``: the kernel never
-    writes out of bounds. With ``CUTE_MOE_DEBUG=1`` the CUDA path checks the block ids on
+    Nothing is written for a token before ``cu_seqlens_q[0]`` or past ``cu_seqlens_q[-1]`` (in
+    no sequence), a negative position, a block index past ``max_blocks`` or a block id outside
+    ``[0, num_blocks)``: the kernel never writes out of bounds. Two tokens sent to one slot (a
+    block id shared between sequences) are outside the contract: which token's codes and scales
+    the slot ends with is unspecified. With ``CUTE_MOE_DEBUG=1`` the CUDA path checks the block ids on
     the host (a device sync) and raises ``ValueError`` instead.
     Inputs must be finite (non-finite values give unspecified codes).
     """

@@ -485,6 +485,8 @@ def fill_kv_cache_fp8_ref(
     block_size = k_cache.shape[1] if layout == "bshd" else k_cache.shape[2]
     cu = cu_seqlens_q.long()
     B = cu.shape[0] - 1
+    if B == 0:  # no sequence: no token is written
+        return
     tok = torch.arange(N_tok, device=dev)
     b = torch.searchsorted(cu[1:].contiguous(), tok, right=True)  # sequence of each token (B = none)
     bc = b.clamp_max(max(B - 1, 0))
@@ -492,7 +494,8 @@ def fill_kv_cache_fp8_ref(
     pos = kv_seqlens.long()[bc] - (cu[bc + 1] - cu[bc]) + j
     # Slots the kernel cannot address are skipped, as the kernel skips them: positions before the
     # cache start, block indices past max_blocks, block ids outside [0, num_blocks).
-    keep = (b < B) & (pos >= 0) & (pos // block_size < block_offsets.shape[1])
+    # Tokens before cu_seqlens_q[0] or past cu_seqlens_q[-1] belong to no sequence.
+    keep = (b < B) & (tok >= cu[bc]) & (pos >= 0) & (pos // block_size < block_offsets.shape[1])
     tok, bc, pos = tok[keep], bc[keep], pos[keep]
     blk = block_offsets.long()[bc, pos // block_size]
     in_range = (blk >= 0) & (blk < k_cache.shape[0])

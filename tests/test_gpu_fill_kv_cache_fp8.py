@@ -110,6 +110,21 @@ def test_unwritable_tokens_are_skipped(small_batch):
     _run_and_compare(case, 128, None, "bshd", launch)
 
 
+@pytest.mark.parametrize("small_batch", [False, True])
+def test_tokens_before_the_first_sequence_are_skipped(small_batch):
+    """cu_seqlens_q[0] > 0 (a batch's prefill part passed with the whole k_states): tokens before it
+    are in no sequence and not written. They were written as positions of sequence 0."""
+    from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda
+
+    case = make_kv_case([6, 1, 9], [0, 40, 70], heads=8, head_dim=128, seed=13 + small_batch)
+    case.cu_seqlens_q[0] = 4  # tokens 0..3: no sequence; sequence 0 keeps tokens 4 and 5
+
+    def launch(*args):
+        fill_kv_cache_fp8_cuda(*args, small_batch=small_batch)
+
+    _run_and_compare(case, 128, None, "bshd", launch)
+
+
 def test_fp32_states_and_small_blocks():
     case = make_kv_case([3, 40], [10, 0], heads=4, head_dim=64, block_size=16, group_size=64,
                         dtype=torch.float32, seed=3)

@@ -688,6 +688,26 @@ def naive_fill(states, cache, scale_cache, cu, kv_lens, block_offsets, g, fmt, l
                 scale_cache[idx] = torch.tensor(s)
 
 
+def test_fill_kv_cache_skips_tokens_in_no_sequence():
+    """Tokens before cu_seqlens_q[0] (and every token when B = 0) belong to no sequence: nothing
+    is written for them; the others land as the naive loop puts them."""
+    H, D, bs, nblk = 2, 128, 4, 8
+    states = randn(7, H, D, seed=90, dtype=torch.bfloat16)
+    table = torch.arange(nblk, dtype=torch.int32).reshape(2, 4)
+    cu, kv_lens = [3, 5, 7], [6, 2]  # tokens 0..2 in no sequence
+    got = (poisoned((nblk, bs, H, D), 91, True), poisoned((nblk, bs, H, 1), 91, False))
+    want = tuple(t.clone() for t in got)
+    R.fill_kv_cache_fp8_ref(states, None, got[0], None, got[1], None, torch.tensor(cu, dtype=torch.int32),
+                            torch.tensor(kv_lens, dtype=torch.int32), table)  # fmt: skip
+    naive_fill(states, want[0], want[1], cu, kv_lens, table.tolist(), 128, None, "bshd")
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+    assert torch.equal(got[1].view(torch.int32), want[1].view(torch.int32))
+    before = tuple(t.clone() for t in got)
+    R.fill_kv_cache_fp8_ref(states, None, got[0], None, got[1], None, torch.tensor([0], dtype=torch.int32),
+                            torch.zeros(0, dtype=torch.int32), table[:0])  # fmt: skip
+    assert torch.equal(got[0].view(torch.uint8), before[0].view(torch.uint8))
+
+
 def poisoned(shape, seed, fp8):
     if fp8:
         return torch.randint(0, 256, shape, generator=gen(seed), dtype=torch.uint8).view(FP8)

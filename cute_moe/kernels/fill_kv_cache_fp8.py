@@ -299,7 +299,9 @@ class FillKvCacheFp8Kernel:
                 q_end = cute.arch.shuffle_sync(found[w, 1], owner)
                 kv_len = cute.arch.shuffle_sync(found[w, 2], owner)
             block, slot = Int32(-1), Int32(0)
-            if token < num_tokens and seq < num_seqs:
+            # q_start <= token: a token before cu_seqlens_q[0] is in no sequence (its look-up found
+            # nothing and left zeros, which would make it position `token` of sequence 0)
+            if token < num_tokens and seq < num_seqs and q_start <= token and token < q_end:
                 pos = kv_len - (q_end - q_start) + (token - q_start)
                 if pos >= 0 and pos // block_size < mBlk.shape[1]:
                     candidate = mBlk[seq, pos // block_size]
