@@ -17,8 +17,7 @@ with ``-1`` for "padding row" / "expert not local"; their entries must be in ran
 non-decreasing in ``[0, M_cap]``, ``expert_counts[e]`` at most segment e's length): the
 CPU implementations check that (``ValueError``); the GPU kernels cannot without a host
 sync, and out-of-range entries are outside the contract there (``CUTE_MOE_DEBUG=1`` turns
-on host checks, with a sync, of align's ids, finalize's ``token_to_row`` and the KV cache's
-block ids). ``M_cap`` is the static row
+on the same checks there, with a host sync, and on the KV cache's block ids). ``M_cap`` is the static row
 bound ``round_up(T*k + min(T*k, E_local)*(alignment-1), alignment)`` (0 when
 T == 0), see :func:`cute_moe.reference.m_cap`.
 """
@@ -147,7 +146,9 @@ def route(
     * ``sigmoid_renorm``: top-k of ``sigmoid(logits)``, renormalized.
 
     On the GPU: ``E <= 512``, ``top_k <= 32`` (``<= 8`` for ``deepseek_v3``); ``NotImplementedError``
-    otherwise, where the CPU computes the same routing.
+    otherwise, where the CPU computes the same routing. Sigmoid scores of logits below about -87
+    flush to 0 on the GPU (the CPU keeps subnormals), so a renormalizing method whose chosen
+    logits are all that low can give NaN weights there: real router logits are far from it.
 
     Returns:
         ``(topk_ids, topk_weights)``: int32 ``[T, top_k]`` and f32 ``[T, top_k]``, each row in
@@ -172,7 +173,9 @@ def align(
             outside the contract: the CPU implementation raises ``ValueError``; the GPU kernel cannot
             check them without a host sync and treats them as not local.
         num_experts: global expert count.
-        alignment: row alignment of each expert segment (the GEMM's tile M).
+        alignment: row alignment of each expert segment. :func:`grouped_gemm_fp8` on the GPU needs a
+            multiple of 128 (its tile M); with another value its tiles of a misaligned segment come
+            out NaN.
         expert_offset, num_local_experts: this rank owns experts
             ``[expert_offset, expert_offset + E_local)``; ``E_local = num_local_experts or num_experts``.
 
@@ -199,7 +202,10 @@ def permute_quant(
 
     Args:
         x: ``[T, H]`` bf16 or fp16, ``H % 128 == 0``.
-        row_to_token: ``[M_cap]`` int32 from :func:`align`.
+        row_to_token: ``[M_cap]`` int32 from :func:`align`: token ids, -1 for padding. (vLLM's
+            ``sorted_token_ids`` hold flattened slots ``t*k + j`` padded with ``T*k``:
+            ``where(s < T*k, s // k, -1)`` converts them. The GPU skips entries outside
+            ``[-1, T)`` unless ``CUTE_MOE_DEBUG=1``.)
         expert_offsets: ``[E_local+1]`` int32 from :func:`align`.
         scale_fmt: ``None`` or ``"ue8m0"``.
         token_to_row: optional ``[T, k]`` int32/int64 from :func:`align`, exactly the inverse of
@@ -211,6 +217,8 @@ def permute_quant(
             consumer that never reads them (:func:`grouped_gemm_fp8` and :func:`silu_mul_quant`
             given align's ``expert_counts``, as :func:`fused_moe_routed` calls them); with
             ``token_to_row`` the CUDA kernel then skips writing them, most of its work at decode.
+
+    On the GPU x's rows must be 16-byte aligned (``ValueError`` otherwise).
 
     Returns:
         ``(a, a_scale)``: a ``[M_cap, H]`` float8_e4m3fn, a_scale ``[M_cap, H/128]`` f32 MN-major.
@@ -227,7 +235,9 @@ def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offse
     Args:
         a_in: ``[T, H]`` float8_e4m3fn, ``H % 128 == 0``.
         a_in_scale: ``[T, H/128]`` f32, any strides.
-        row_to_token, expert_offsets: from :func:`align`.
+        row_to_token, expert_offsets: from :func:`align` (see :func:`permute_quant`).
+
+    On the GPU a_in's rows must be 16-byte aligned (``ValueError`` otherwise).
 
     Returns:
         ``(a [M_cap, H] fp8, a_scale [M_cap, H/128] f32 MN-major)``; padding rows get codes 0 and scale 1.0.
@@ -252,9 +262,14 @@ def grouped_gemm_fp8(
         a_scale: ``[M_cap, K/128]`` f32 (1x128 blocks); the CUDA kernel needs it MN-major (strides
             ``(1, M_cap)``, as permute_quant and silu_mul_quant write it), the CPU takes any strides.
         b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
-        b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks), unit last stride.
+        b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks, HF's ``weight_scale_inv`` per
+            expert), unit last stride. A ``[E, K/128, N/128]`` tensor (the transpose) is refused by
+            its shape unless ``N == K``, where nothing can tell it apart: it is then misread.
         expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])`` (``off[0]`` is
-            normally 0; rows before it are unspecified, like rows ``>= off[-1]``).
+            normally 0; rows before it are unspecified, like rows ``>= off[-1]``). DeepGEMM's
+            contiguous layout (``m_indices`` per row, each expert's rows in one block padded to 128
+            with -1 rows at its end) maps to ``off = cat([0, cumsum(round_up(count_e, 128))])`` with
+            ``count_e`` the rows of expert e, which are also the ``expert_counts``.
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
             output); the rest of the segment is padding, and the kernel may skip it.
 
@@ -263,8 +278,8 @@ def grouped_gemm_fp8(
     and writes the tiles of a segment that breaks it as NaN.  The CPU takes any segments.
 
     Returns:
-        ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows ``>= expert_offsets[-1]`` unspecified, and
-        with ``expert_counts`` padding rows unspecified too.
+        ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows outside the segments unspecified (the
+        GPU may write some of them), and with ``expert_counts`` padding rows unspecified too.
     """
     return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
@@ -283,7 +298,9 @@ def silu_mul_quant(
     Args:
         h: ``[M_cap, 2I]`` bf16, ``I % 128 == 0``.
         expert_offsets: ``[E+1]`` int32.
-        gate_first: ``True``: gate = ``h[:, :I]``, up = ``h[:, I:]``; ``False``: up first (FlashInfer order).
+        gate_first: ``True``: gate = ``h[:, :I]``, up = ``h[:, I:]`` (HF, vLLM's and FlashInfer's
+            ``silu_and_mul``); ``False``: up first, for w13 weights stored up rows first (the
+            ``[up, gate]`` order of FlashInfer's CUTLASS / TRT-LLM fused-MoE weights, vLLM's "w31").
         scale_fmt: ``None`` or ``"ue8m0"``.
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
             output); the rest of the segment is padding, which the CUDA kernel then neither reads

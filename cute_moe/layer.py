@@ -173,7 +173,7 @@ class FusedMoE(torch.nn.Module):
             ``[expert_offset, expert_offset + num_local_experts)``; ``num_local_experts`` defaults to
             ``num_experts - expert_offset``.
         gate_first: row order of ``w13`` (``True``: gate then up, the HF / DeepSeek order;
-            ``False``: up then gate, FlashInfer's order).
+            ``False``: up then gate, as FlashInfer's CUTLASS fused-MoE weights store them).
         act_scale_fmt: scale format of the activation quantizations, ``None`` or ``"ue8m0"``.
         apply_router_weight_on_input: ``True``: each token's expert gets ``weight * x`` and its output is
             not weighted, HF Llama-4's convention (needs ``top_k == 1``); ``False``: the outputs are

@@ -19,7 +19,7 @@ that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
 Validation only reads metadata (never tensor data; the CPU implementations check their
-index data, ``_check_cpu_indices``).  The fake implementations run one check of it, that
+index data, ``_check_indices``; the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The fake implementations run one check of it, that
 all tensors share a device (``check_same_device``: a call mixing meta and real tensors
 must raise, not return empty memory).  Importing this module neither imports ``cutlass``
 nor initialises CUDA: kernels are imported lazily inside the CUDA implementations.
@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -196,10 +197,17 @@ def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
     return like.new_empty((rows, cols), dtype=torch.float32)
 
 
-def _check_cpu_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int) -> None:
+def _debug_checks() -> bool:
+    """``CUTE_MOE_DEBUG=1``: the CUDA implementations check their index data as the CPU ones always
+    do, at the cost of a device sync (never replayed by the launch memo)."""
+    return os.environ.get("CUTE_MOE_DEBUG") == "1"
+
+
+def _check_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int) -> None:
     """The CPU implementations read the index tensors anyway: entries outside ``[lo, hi)`` get a
     ValueError naming them, not an IndexError from inside the reference.  (The GPU kernels cannot
-    check data without a host sync; such entries are outside the ops' contract there.)"""
+    check data without a host sync; such entries are outside the ops' contract there, and checked
+    only under ``_debug_checks``.)"""
     if t is not None and t.numel():
         bad = (t < lo) | (t >= hi)
         if bool(bad.any()):
@@ -207,9 +215,9 @@ def _check_cpu_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int
             raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {value}")
 
 
-def _check_cpu_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor] = None) -> None:
+def _check_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor] = None) -> None:
     """expert_offsets non-decreasing in [0, M_cap]; counts in [0, segment length]."""
-    _check_cpu_indices(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
+    _check_indices(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
     lengths = expert_offsets[1:] - expert_offsets[:-1]
     if bool((lengths < 0).any()):
         raise ValueError(f"cute_moe.{op}: expert_offsets must be non-decreasing, got {expert_offsets.tolist()[:16]}")
@@ -372,9 +380,9 @@ def permute_quant(
     zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
-    _check_cpu_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
-    _check_cpu_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
-    _check_cpu_segments("permute_quant", expert_offsets, row_to_token.shape[0])
+    _check_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
+    _check_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
+    _check_segments("permute_quant", expert_offsets, row_to_token.shape[0])
     a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     return a.contiguous(), _as_scales(s, True)
 
@@ -390,6 +398,10 @@ def _permute_quant_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
     permute_quant_cuda = _launcher("permute_quant", "permute_quant_cuda")
+    if _debug_checks():
+        _check_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
+        _check_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
+        _check_segments("permute_quant", expert_offsets, row_to_token.shape[0])
 
     # With token_to_row: the token-major kernel (x read once); without: the row-major one.
     return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
@@ -408,8 +420,8 @@ def _permute_quant_fake(x: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tenso
 @_custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
 def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
-    _check_cpu_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
-    _check_cpu_segments("permute", expert_offsets, row_to_token.shape[0])
+    _check_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
+    _check_segments("permute", expert_offsets, row_to_token.shape[0])
     a, s = R.permute_ref(a_in, a_in_scale, row_to_token, expert_offsets)
     return a.contiguous(), _as_scales(s, True)
 
@@ -420,6 +432,9 @@ def _permute_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
     permute_cuda = _launcher("permute_quant", "permute_cuda")
+    if _debug_checks():
+        _check_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
+        _check_segments("permute", expert_offsets, row_to_token.shape[0])
 
     return permute_cuda(a_in, a_in_scale, row_to_token, expert_offsets)
 
@@ -444,7 +459,7 @@ def grouped_gemm_fp8(
     expert_counts: Optional[Tensor] = None,
 ) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
-    _check_cpu_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
+    _check_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
     return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets, expert_counts).contiguous()
 
 
@@ -459,6 +474,8 @@ def _grouped_gemm_fp8_cuda(
 ) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
     grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
+    if _debug_checks():
+        _check_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
 
     return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
@@ -482,7 +499,7 @@ def silu_mul_quant(
     expert_counts: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
-    _check_cpu_segments("silu_mul_quant", expert_offsets, h.shape[0], expert_counts)
+    _check_segments("silu_mul_quant", expert_offsets, h.shape[0], expert_counts)
     a2, s = R.silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     return a2.contiguous(), _as_scales(s, True)
 
@@ -497,6 +514,8 @@ def _silu_mul_quant_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     silu_mul_quant_cuda = _launcher("silu_mul_quant", "silu_mul_quant_cuda")
+    if _debug_checks():
+        _check_segments("silu_mul_quant", expert_offsets, h.shape[0], expert_counts)
 
     # With expert_counts: padding rows neither read nor written (their codes and scales unspecified).
     return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
@@ -516,7 +535,7 @@ def _silu_mul_quant_fake(h: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
 @_custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
 def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     V.validate_finalize(y, topk_weights, token_to_row)
-    _check_cpu_indices("finalize", "token_to_row", token_to_row, -1, y.shape[0])
+    _check_indices("finalize", "token_to_row", token_to_row, -1, y.shape[0])
     return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
 
 

@@ -16,6 +16,7 @@ pre-poisoned outputs checks the kernels never touch them.
 import pytest
 import torch
 
+import cute_moe
 from cute_moe.compiler import arch_of_device
 from cute_moe.kernels import permute_quant as permute_quant_module
 from cute_moe.kernels.permute_quant import (
@@ -296,14 +297,36 @@ def test_permute_quant_token_major_expert_parallel(scale_fmt):
     _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt)
 
 
-def test_permute_quant_token_major_debug_range_check(monkeypatch):
+def test_debug_index_checks(monkeypatch):
+    """CUTE_MOE_DEBUG=1: the CUDA paths check index data as the CPU ones do (named ValueErrors), e.g.
+    vLLM's sorted_token_ids (flattened t*k+j, padded with T*k) passed as row_to_token."""
     offsets, row_to_token, token_to_row = _maps("ragged", 16, seed=50)
     x = random_activations(16, 2048, torch.bfloat16, seed=50)
-    bad = token_to_row.clone()
-    bad[3, 1] = row_to_token.shape[0]
+    bad_t2r = token_to_row.clone()
+    bad_t2r[3, 1] = row_to_token.shape[0]
+    bad_r2t = row_to_token.clone()
+    bad_r2t[row_to_token == -1] = 16 * token_to_row.shape[1]
+    bad_offsets = offsets.flip(0).contiguous()  # in [0, M_cap], decreasing
     monkeypatch.setenv("CUTE_MOE_DEBUG", "1")
-    with pytest.raises(ValueError, match="token_to_row"):
-        permute_quant_cuda(x, row_to_token, offsets, None, bad)
+    with pytest.raises(ValueError, match=r"permute_quant: token_to_row entries must lie in \[-1, "):
+        cute_moe.permute_quant(x, row_to_token, offsets, token_to_row=bad_t2r)
+    for t2r in (None, token_to_row):
+        with pytest.raises(ValueError, match=r"permute_quant: row_to_token entries must lie in \[-1, 16\)"):
+            cute_moe.permute_quant(x, bad_r2t, offsets, token_to_row=t2r)
+    with pytest.raises(ValueError, match=r"permute_quant: expert_offsets must be non-decreasing"):
+        cute_moe.permute_quant(x, row_to_token, bad_offsets)
+    a_in, s_in = cute_moe.quant_fp8(x)
+    with pytest.raises(ValueError, match=r"permute: row_to_token entries must lie in \[-1, 16\)"):
+        cute_moe.permute(a_in, s_in, bad_r2t, offsets)
+    a, a_scale = cute_moe.permute_quant(x, row_to_token, offsets)
+    b = a_in.new_zeros(offsets.shape[0] - 1, 256, 2048)
+    b_scale = torch.ones(offsets.shape[0] - 1, 2, 16, device=x.device)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8: expert_offsets must be non-decreasing"):
+        cute_moe.grouped_gemm_fp8(a, a_scale, b, b_scale, bad_offsets)
+    counts = (offsets[1:] - offsets[:-1]) + 1
+    with pytest.raises(ValueError, match=r"silu_mul_quant: expert_counts\[e\] must lie in"):
+        cute_moe.silu_mul_quant(torch.zeros(a.shape[0], 256, dtype=torch.bfloat16, device=x.device), offsets,
+                                expert_counts=counts.to(torch.int32))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- permute (FP8 in)
