@@ -119,9 +119,9 @@ def route(
     """Top-k expert routing (all math in f32; ties go to the lower expert id).
 
     Args:
-        router_logits: ``[T, E]`` f32 or bf16, finite (not checked: a NaN or inf in a row gives
-            that token an unspecified selection and weights, NaN for some methods; other tokens
-            are unaffected).
+        router_logits: ``[T, E]`` f32, bf16 or fp16 (converted to f32, exactly), finite (not
+            checked: a NaN or inf in a row gives that token an unspecified selection and weights,
+            NaN for some methods; other tokens are unaffected).
         top_k: experts per token, ``1 <= top_k <= E``.
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.
@@ -264,7 +264,8 @@ def grouped_gemm_fp8(
         b: ``[E, N, K]`` float8_e4m3fn, K-major, ``N % 8 == 0``.
         b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks, HF's ``weight_scale_inv`` per
             expert), unit last stride. A ``[E, K/128, N/128]`` tensor (the transpose) is refused by
-            its shape unless ``N == K``, where nothing can tell it apart: it is then misread.
+            its shape unless ``ceil(N/128) == K/128``, where nothing can tell it apart: it is then
+            misread.
         expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])`` (``off[0]`` is
             normally 0; rows before it are unspecified, like rows ``>= off[-1]``). DeepGEMM's
             contiguous layout (``m_indices`` per row, each expert's rows in one block padded to 128
@@ -385,10 +386,10 @@ def fused_moe_routed(
         gate_first: half order of w13's output (see :func:`silu_mul_quant`).
         act_scale_fmt: scale format of the activation quantizations (``None`` or ``"ue8m0"``).
         apply_router_weight_on_input: ``False``: ``out[t] = sum_j w[t, j] * expert_j(x[t])`` (DeepSeek,
-            Qwen, Mixtral). ``True``: ``out[t] = expert(w[t, 0] * x[t])``, HF Llama-4's convention
-            (vLLM's flag of the same name; ``w`` is rounded to x's dtype and the product too, as both
-            compute it). The SwiGLU makes the two differ. ``True`` needs ``k == 1``
-            (``NotImplementedError`` otherwise).
+            Qwen, Mixtral). ``True``: ``out[t] = sum_j expert_j(w[t, j] * x[t])``, HF Llama-4's
+            convention (vLLM's flag of the same name; ``w`` is rounded to x's dtype and the product
+            too, as both compute it). The SwiGLU makes the two differ. With ``k > 1`` each slot runs
+            as a token of its own: ``k`` scaled copies of ``x`` (``[T*k, H]``) are made.
 
     Returns:
         ``out``: ``[T, H]`` in x's dtype (finalize sums in f32 and rounds to bf16; fp16 output is
@@ -425,7 +426,7 @@ def fused_moe(
 
     Args:
         x: ``[T, H]`` bf16 or fp16.
-        router_logits: ``[T, E_global]`` f32 or bf16.
+        router_logits: ``[T, E_global]`` f32, bf16 or fp16.
         w13, w13_scale, w2, w2_scale: the local experts' weights, see :func:`fused_moe_routed`.
         top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor: see :func:`route`.
         expert_offset: this rank owns experts ``[expert_offset, expert_offset + E_local)``, which must lie
@@ -433,8 +434,7 @@ def fused_moe(
         num_experts: global expert count; defaults to ``router_logits.shape[1]`` and must equal it if given.
         gate_first, act_scale_fmt: see :func:`fused_moe_routed`.
         apply_router_weight_on_input: see :func:`fused_moe_routed`. ``None`` (default): ``True`` for
-            ``routing_method="llama4"`` (the model's convention; it needs ``top_k == 1``), ``False``
-            otherwise.
+            ``routing_method="llama4"`` (the model's convention), ``False`` otherwise.
 
     Returns:
         ``out``: ``[T, H]`` in x's dtype.

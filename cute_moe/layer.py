@@ -26,9 +26,9 @@ logits ``[T, E]`` over the *global* experts: the router GEMM is a plain linear l
 whose dtype the model chooses (DeepSeek-V3 keeps ``gate.weight`` in f32, Mixtral and
 Qwen3 run it in the activation dtype), and under expert parallelism every rank
 needs the logits of every expert. ``from_hf_fp8`` therefore does not read
-``{prefix}gate.weight``; it does read ``{prefix}gate.e_score_correction_bias`` (the
-``deepseek_v3`` routing bias) into ``score_bias``. ``route(router_logits)`` returns the
-top-k ``forward`` uses. Routing done elsewhere (a different router, or top-k ids
+``{prefix}gate.weight``; it does read a sigmoid routing's selection bias (the
+``deepseek_v3`` ``score_bias``) where the checkpoint keeps one (see ``from_hf_fp8``).
+``route(router_logits)`` returns the top-k ``forward`` uses. Routing done elsewhere (a different router, or top-k ids
 shipped from another rank) goes through ``forward_routed(x, topk_ids, topk_weights)``.
 
 **Expert parallelism.** A module owns the experts
@@ -38,7 +38,8 @@ of every rank's output (an all-reduce). Shared experts (DeepSeek-V3, Qwen2-MoE) 
 not part of the module: add their output to ``forward``'s.
 
 Numerics: activations are quantized to FP8 e4m3 with one f32 scale per token per
-128 columns (both before GEMM1 and after SwiGLU), f32 accumulation, bf16 outputs.
+128 columns (both before GEMM1 and after SwiGLU), f32 accumulation, bf16 GEMM outputs;
+the layer's output is bf16, or fp16 for fp16 hidden states.
 
 Dtype conversions of the module (``.to(torch.bfloat16)``, ``.half()``, ...) leave the
 FP8 weights and the f32 scales and bias as they are; device moves apply.
@@ -122,7 +123,7 @@ def _check_config(
         _fail(where, f"gate_first must be a bool, got {type(gate_first).__name__}", TypeError)
     if act_scale_fmt not in V.SCALE_FMTS:
         _fail(where, f"act_scale_fmt must be None or 'ue8m0', got {act_scale_fmt!r}")
-    V.weight_on_input(where, apply_router_weight_on_input, routing_method, top_k)
+    V.weight_on_input(where, apply_router_weight_on_input, routing_method)
     return int(num_local_experts)
 
 
@@ -175,9 +176,9 @@ class FusedMoE(torch.nn.Module):
         gate_first: row order of ``w13`` (``True``: gate then up, the HF / DeepSeek order;
             ``False``: up then gate, as FlashInfer's CUTLASS fused-MoE weights store them).
         act_scale_fmt: scale format of the activation quantizations, ``None`` or ``"ue8m0"``.
-        apply_router_weight_on_input: ``True``: each token's expert gets ``weight * x`` and its output is
-            not weighted, HF Llama-4's convention (needs ``top_k == 1``); ``False``: the outputs are
-            weighted. ``None`` (default): ``True`` for ``routing_method="llama4"``, else ``False``. See
+        apply_router_weight_on_input: ``True``: each of a token's experts gets ``weight * x`` and its
+            output is not weighted, HF Llama-4's convention; ``False``: the outputs are weighted.
+            ``None`` (default): ``True`` for ``routing_method="llama4"``, else ``False``. See
             :func:`cute_moe.fused_moe_routed`.
         device: where the buffers are allocated (``"meta"`` allocates nothing; use ``to_empty`` then
             ``load_state_dict``). The buffers start as zeros; the ``from_*`` constructors fill them.
@@ -231,9 +232,7 @@ class FusedMoE(torch.nn.Module):
         self.num_local_experts = e_local
         self.gate_first = gate_first
         self.act_scale_fmt = act_scale_fmt
-        self.apply_router_weight_on_input = V.weight_on_input(
-            "FusedMoE", apply_router_weight_on_input, routing_method, top_k
-        )
+        self.apply_router_weight_on_input = V.weight_on_input("FusedMoE", apply_router_weight_on_input, routing_method)
         H, I = self.hidden_size, self.intermediate_size
         zeros = torch.empty if torch.device(device or "cpu").type == "meta" else torch.zeros
         self.register_buffer("w13", zeros(e_local, 2 * I, H, dtype=_FP8, device=device))
@@ -250,7 +249,7 @@ class FusedMoE(torch.nn.Module):
 
         Args:
             x: ``[..., H]`` bf16 or fp16 hidden states.
-            router_logits: ``[..., num_experts]`` f32 or bf16 logits over the *global* experts, with the
+            router_logits: ``[..., num_experts]`` f32, bf16 or fp16 logits over the *global* experts, with the
                 leading dims of ``x``.
 
         Returns:
@@ -287,7 +286,8 @@ class FusedMoE(torch.nn.Module):
         Args:
             x: ``[..., H]`` bf16 or fp16.
             topk_ids: ``[..., k]`` int32 *global* expert ids (ids this module does not own contribute nothing).
-            topk_weights: ``[..., k]`` f32, applied as given (no ``routed_scaling_factor``).
+            topk_weights: ``[..., k]`` f32, applied as given (no ``routed_scaling_factor``), to the
+                expert outputs or, with ``apply_router_weight_on_input``, to the inputs.
         """
         x2, lead = _flat(x, "x", "H")
         ids, _ = _flat(topk_ids, "topk_ids", "k", lead)
@@ -365,8 +365,8 @@ class FusedMoE(torch.nn.Module):
             s += ", gate_first=False"
         if self.act_scale_fmt is not None:
             s += f", act_scale_fmt={self.act_scale_fmt!r}"
-        if self.apply_router_weight_on_input:
-            s += ", apply_router_weight_on_input=True"
+        if self.apply_router_weight_on_input != (self.routing_method == "llama4"):  # not the method's default
+            s += f", apply_router_weight_on_input={self.apply_router_weight_on_input}"
         return s
 
     # ------------------------------------------------------------------ constructors
@@ -539,7 +539,8 @@ class FusedMoE(torch.nn.Module):
             q13, s13, q2, s2, top_k=top_k, num_experts=num_experts, routing_method=routing_method, n_group=n_group,
             topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
             score_bias=None if bias is None else bias.to(dev), expert_offset=expert_offset,
-            gate_first=gate_first, act_scale_fmt=act_scale_fmt, apply_router_weight_on_input=apply_router_weight_on_input,
+            gate_first=gate_first, act_scale_fmt=act_scale_fmt,
+            apply_router_weight_on_input=apply_router_weight_on_input,
         )  # fmt: skip
 
     @classmethod
@@ -641,7 +642,10 @@ class FusedMoE(torch.nn.Module):
                 where, repr(sk), s, _HF_SCALE_DTYPES, (_cdiv(n, _B), _cdiv(k, _B)),
                 f"[ceil({what[1]}/128), ceil({what[4]}/128)]",
             )  # fmt: skip
-            return w, s.float()
+            s = s.float()
+            if not bool(torch.isfinite(s).all()):  # (e8m0's 0xFF is NaN) a NaN block scale: NaN outputs
+                _fail(where, f"{sk!r} must be finite, got {s[~torch.isfinite(s)][0].item()}")
+            return w, s
 
         for j in range(e_local):
             e = expert_offset + j

@@ -19,8 +19,8 @@ that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
 Validation only reads metadata (never tensor data; the CPU implementations check their
-index data, ``_check_indices``; the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The fake implementations run one check of it, that
-all tensors share a device (``check_same_device``: a call mixing meta and real tensors
+index data, ``_check_indices``, and the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The
+fake implementations run one check of it, that all tensors share a device (``check_same_device``: a call mixing meta and real tensors
 must raise, not return empty memory).  Importing this module neither imports ``cutlass``
 nor initialises CUDA: kernels are imported lazily inside the CUDA implementations.
 """
@@ -59,7 +59,8 @@ __all__ = [
 _NS = "cute_moe"
 _FP8 = V.FP8_DTYPE
 _G = V.ACT_GROUP_SIZE
-_MOE_ALIGNMENT = 128  # row alignment fused_moe(_routed) uses for align()
+_GEMM_SEGMENT_ALIGNMENT = 128  # the GPU GEMM's tile M: its segments must start on multiples of it
+_MOE_ALIGNMENT = _GEMM_SEGMENT_ALIGNMENT  # row alignment fused_moe(_routed) uses for align()
 # fused_moe_routed gets global expert ids but not the global expert count; any id
 # >= expert_offset + E_local is simply "not local", so it passes this bound to align.
 _ANY_EXPERT = V.INT32_MAX
@@ -298,6 +299,8 @@ def _route_cuda(
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
     route_cuda = _launcher("route", "route_cuda")
 
+    if router_logits.dtype == torch.float16:  # the kernel reads f32 or bf16; fp16 -> f32 is exact
+        router_logits = router_logits.float()
     return route_cuda(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
 
 
@@ -476,6 +479,10 @@ def _grouped_gemm_fp8_cuda(
     grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
     if _debug_checks():
         _check_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
+        if bool((expert_offsets % _GEMM_SEGMENT_ALIGNMENT != 0).any()):
+            raise ValueError(f"cute_moe.grouped_gemm_fp8: expert_offsets must be multiples of "
+                             f"{_GEMM_SEGMENT_ALIGNMENT} on the GPU (align(..., alignment=128)); the kernel writes a "
+                             f"misaligned segment's tiles as NaN, got {expert_offsets.tolist()[:16]}")  # fmt: skip
 
     return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
 
@@ -591,11 +598,13 @@ def _moe_from_topk(
     weight_on_input: bool,
 ) -> Tensor:
     e_local = w13.shape[0]
+    T, k = topk_ids.shape
     if weight_on_input:
-        # HF Llama-4's convention (vLLM's apply_router_weight_on_input): the experts see w * x, with w
-        # rounded to x's dtype first, as both compute it; top_k == 1, so finalize then sums one
-        # unweighted row per token.
-        x = x * topk_weights.to(x.dtype)
+        # HF Llama-4's convention (vLLM's apply_router_weight_on_input): expert j of token t sees
+        # x[t] * w[t, j], w rounded to x's dtype first, as both compute it. Each slot becomes a token
+        # of its own (k scaled copies of x when k > 1), and finalize sums a token's k rows unweighted.
+        x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, x.shape[1])
+        topk_ids = topk_ids.reshape(T * k, 1)
         topk_weights = torch.ones_like(topk_weights)
     if topk_ids.is_cuda:
         offsets, row_to_token, token_to_row, counts = call(
@@ -610,7 +619,7 @@ def _moe_from_topk(
     h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)
     a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt, counts)
     y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)
-    out = call("finalize", y, topk_weights, token_to_row)
+    out = call("finalize", y, topk_weights, token_to_row.reshape(T, k))
     # finalize writes bf16; fp16 hidden states get one conversion pass (bf16's 8 mantissa bits are
     # far below the FP8 activations' error)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)

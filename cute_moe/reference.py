@@ -410,13 +410,21 @@ def fused_moe_routed_ref(
 ) -> torch.Tensor:
     """Whole MoE layer from precomputed top-k; ids outside [expert_offset, expert_offset+E_local) contribute nothing.
 
-    apply_router_weight_on_input (top_k == 1): the expert gets x * w (w rounded to x's dtype first, the
-    product rounded to it, as HF Llama-4 and vLLM) and its output is not weighted."""
+    apply_router_weight_on_input: expert j of token t gets x[t] * w[t, j] (w rounded to x's dtype first,
+    the product rounded to it, as HF Llama-4 and vLLM) and the k outputs are summed unweighted: each
+    slot is run as a top-1 token of its own (exact bf16 rows), then summed in f32 and rounded once."""
     if apply_router_weight_on_input:
-        if topk_ids.shape[1] != 1:
-            raise ValueError(f"fused_moe_routed_ref: apply_router_weight_on_input needs top_k == 1, got {topk_ids.shape[1]}")
-        x = x * topk_weights.to(x.dtype)
-        topk_weights = torch.ones_like(topk_weights)
+        T, k = topk_ids.shape
+        xs = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, x.shape[1])
+        ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
+        per_slot = fused_moe_routed_ref(
+            xs, topk_ids.reshape(T * k, 1), ones, w13, w13_scale, w2, w2_scale, expert_offset, gate_first,
+            act_scale_fmt,
+        ).float()  # fmt: skip
+        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        for j in range(k):  # f32, in slot order, as finalize
+            out = out + per_slot.view(T, k, -1)[:, j]
+        return out.to(torch.bfloat16).to(x.dtype)
     offsets, row_to_token, token_to_row, _ = align_local(topk_ids, w13.shape[0], BLOCK, expert_offset)
     a, a_scale = permute_quant_ref(x, row_to_token, offsets, act_scale_fmt)
     h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, offsets)

@@ -355,7 +355,7 @@ def _check_routing(
     routed_scaling_factor: float,
     method_name: str,
 ) -> None:
-    _tensor(op, "router_logits", router_logits, (torch.float32, torch.bfloat16), 2, "[T, E]")
+    _tensor(op, "router_logits", router_logits, _HALF_ACT + (torch.float32,), 2, "[T, E]")
     E = router_logits.shape[1]
     if E < 1:
         _fail(op, f"router_logits must have at least one expert column, got shape {_shape(router_logits)}")
@@ -584,19 +584,12 @@ def _check_moe_weights(
     return E
 
 
-def weight_on_input(op: str, flag: Any, routing_method: Optional[str], top_k: int) -> bool:
+def weight_on_input(op: str, flag: Any, routing_method: Optional[str]) -> bool:
     """``apply_router_weight_on_input``, resolved: ``None`` takes the routing method's convention (on the
     input for ``llama4``, as HF Llama-4 and vLLM apply it; on the expert outputs otherwise)."""
     if flag is None:
         flag = routing_method == "llama4"
     check_bool(op, "apply_router_weight_on_input", flag)
-    if flag and top_k != 1:
-        _fail(
-            op,
-            f"apply_router_weight_on_input needs top_k == 1 (one weight scales the token's input), got top_k = "
-            f"{top_k}; pass apply_router_weight_on_input=False to weight the expert outputs instead",
-            NotImplementedError,
-        )
     return flag
 
 
@@ -625,7 +618,7 @@ def validate_fused_moe_routed(
     check_same_device(
         op, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w13_scale=w13_scale, w2=w2, w2_scale=w2_scale
     )
-    return weight_on_input(op, apply_router_weight_on_input, None, topk_ids.shape[1])
+    return weight_on_input(op, apply_router_weight_on_input, None)
 
 
 def validate_fused_moe(
@@ -684,7 +677,7 @@ def validate_fused_moe(
         w2_scale=w2_scale,
         score_bias=score_bias,
     )
-    return weight_on_input(op, apply_router_weight_on_input, routing_method, top_k)
+    return weight_on_input(op, apply_router_weight_on_input, routing_method)
 
 
 def _kv_cache_shape(layout: str, cache: Tensor) -> tuple[int, int, int, int]:

@@ -219,16 +219,18 @@ def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset:
                   apply_router_weight_on_input: bool = False) -> torch.Tensor:  # fmt: skip
     """bf16 [T, H]: the layer of ``reference.fused_moe_routed_ref`` (see the module docstring), per
     touched local expert, dequantizing only those experts' weights, one expert at a time."""
-    if apply_router_weight_on_input:  # top_k == 1: the expert sees x * bf16(w), its output unweighted
-        x = x * topk_weights.to(x.dtype)
-        topk_weights = torch.ones_like(topk_weights)
     T, H = x.shape
     k = topk_ids.shape[1]
     e_local, inter = w13.shape[0], w13.shape[1] // 2
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
     if T == 0:
         return out.to(torch.bfloat16)
-    xd = quant_dequant_rows(x, act_scale_fmt)
+    if apply_router_weight_on_input:  # slot (t, j) sees x[t] * bf16(w[t, j]); its output is unweighted
+        scaled = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, H)
+        xd, per_slot = quant_dequant_rows(scaled, act_scale_fmt), True
+        topk_weights = torch.ones_like(topk_weights)
+    else:
+        xd, per_slot = quant_dequant_rows(x, act_scale_fmt), False
     local = topk_ids.reshape(-1).long() - expert_offset
     key = torch.where((local >= 0) & (local < e_local), local, e_local)  # e_local = not local
     order = torch.argsort(key, stable=True)  # slots t*k + j grouped by local expert
@@ -242,7 +244,8 @@ def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset:
             start += counts[e]
             if sel.numel() == 0:
                 continue
-            h = (xd[sel // k] @ dequant_weight(w13[e], s13[e]).t()).to(torch.bfloat16).float()
+            rows = xd[sel] if per_slot else xd[sel // k]
+            h = (rows @ dequant_weight(w13[e], s13[e]).t()).to(torch.bfloat16).float()
             first, second = h[:, :inter], h[:, inter:]
             gate, up = (first, second) if gate_first else (second, first)
             a2 = quant_dequant_rows(F.silu(gate) * up, act_scale_fmt)
@@ -323,10 +326,11 @@ def test_reference_moe_matches_the_cute_moe_reference():
     x = (torch.randn(T, H, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
     ids, wts = R.route_ref(torch.randn(T, E, generator=g, device=DEVICE), k, "renormalize")
     for sl, off in ((slice(None), 0), (slice(3, 7), 3)):
-        for fmt, gate_first in ((None, True), ("ue8m0", False)):
-            want = R.fused_moe_routed_ref(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], off, gate_first, fmt)
-            got = reference_moe(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], expert_offset=off,
-                                gate_first=gate_first, act_scale_fmt=fmt)  # fmt: skip
+        for fmt, gate_first, on_input in ((None, True, False), ("ue8m0", False, False), (None, True, True)):
+            want = R.fused_moe_routed_ref(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], off, gate_first, fmt,
+                                          on_input)  # fmt: skip
+            got = reference_moe(x, ids, wts, w13[sl], s13[sl], w2[sl], s2[sl], expert_offset=off, gate_first=gate_first,
+                                act_scale_fmt=fmt, apply_router_weight_on_input=on_input)  # fmt: skip
             rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
             assert rel <= 2e-3, (off, fmt, rel)
 
@@ -364,6 +368,23 @@ def test_llama4_router_weight_on_input_and_on_output(T: int):
         check_layer(routed, ref, f"{m.name} T={T} fused_moe_routed on_input={on_input}")
 
 
+def test_router_weight_on_input_top_k_2():
+    """The input-side convention with k > 1 (each slot a token of its own): Mixtral's shapes with
+    llama4 routing at top-2, through fused_moe_routed, whole and as two expert-parallel shards."""
+    m, w = MODELS["mixtral_8x7b"], weights("mixtral_8x7b")
+    x, logits = make_inputs(m, w, 256, seed=99)
+    ids, wts = R.route_ref(logits, 2, "llama4")
+    ref = reference_moe(x, ids, wts, w.w13, w.s13, w.w2, w.s2, apply_router_weight_on_input=True)
+    poison_for_layer(256, 2, m.E, m.H, m.I)
+    out = cute_moe.fused_moe_routed(x, ids, wts, w.w13, w.s13, w.w2, w.s2, apply_router_weight_on_input=True)
+    check_layer(out, ref, "llama4 top-2 on input")
+    half = m.E // 2
+    shards = [cute_moe.fused_moe_routed(x, ids, wts, w.w13[sl], w.s13[sl], w.w2[sl], w.s2[sl], expert_offset=off,
+                                        apply_router_weight_on_input=True).float()
+              for sl, off in ((slice(0, half), 0), (slice(half, None), half))]  # fmt: skip
+    check_layer((shards[0] + shards[1]).to(torch.bfloat16), ref, "llama4 top-2 on input, two shards summed")
+
+
 def test_fused_moe_fp16_hidden_states():
     """fp16 x (values a bf16 can hold, so both quantize alike) gives the bf16 layer's output in fp16."""
     m, w = MODELS["qwen3_30b_a3b"], weights("qwen3_30b_a3b")
@@ -372,6 +393,8 @@ def test_fused_moe_fp16_hidden_states():
     poison_for_layer(256, m.top_k, m.E, m.H, m.I)
     out = run_layer(m, w, x.half(), logits)
     assert out.dtype == torch.float16 and torch.equal(out, want.half())
+    # an fp16 model's router gives fp16 logits: routed as their exact f32 values
+    assert torch.equal(run_layer(m, w, x.half(), logits.half()), run_layer(m, w, x.half(), logits.half().float()))
 
 
 def test_fused_moe_gate_second_and_ue8m0_scales():

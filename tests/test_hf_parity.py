@@ -270,19 +270,21 @@ def test_mixtral_sparse_moe_block(gate_first: bool) -> None:
 # ----------------------------------------------------------------------------- Llama-4
 
 
-def test_llama4_text_moe() -> None:
-    """Llama4TextMoe: top-1 of the router logits, sigmoid of the chosen logit, applied to the expert's
-    *input* (HF: ``routed_in = hidden_states * router_scores``), the convention ``FusedMoE`` takes
-    for routing_method='llama4'. The shared expert is added from the HF block, as for DeepSeek-V3.
-    Weighting the outputs instead is of order 10% off here: the test shows that it would fail."""
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_text_moe(top_k: int) -> None:
+    """Llama4TextMoe: top-k of the router logits (Llama-4 itself: top-1), the sigmoid of each chosen
+    logit applied to that expert's *input* (HF: ``routed_in = hidden_states * router_scores``), the
+    convention ``FusedMoE`` takes for routing_method='llama4'. The shared expert is added from the
+    HF block, as for DeepSeek-V3. Weighting the outputs instead is ~22% off here at top-1: the last
+    check shows the test would catch it."""
     from transformers import Llama4TextConfig
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
     E = 16
     g = torch.Generator().manual_seed(400)
     w13, w2 = _weights(g, E)
-    layer = FusedMoE.from_bf16(w13, w2, top_k=1, routing_method="llama4")
-    cfg = Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=1,
+    layer = FusedMoE.from_bf16(w13, w2, top_k=top_k, routing_method="llama4")
+    cfg = Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=top_k,
                            hidden_act="silu")  # fmt: skip
     block = Llama4TextMoe(_eager(cfg)).float().eval()
     w13_f = R.dequant_block_128x128_ref(layer.w13, layer.w13_scale)
@@ -298,24 +300,24 @@ def test_llama4_text_moe() -> None:
         out, logits = block(xf[None])
         shared = block.shared_expert(xf)
         scores, _ = block.router(xf)
-    hf_w, hf_ids = scores.max(dim=1, keepdim=True)  # the one non-zero score per token
+    hf_w, hf_ids = scores.topk(top_k, dim=1)  # the non-zero scores (sigmoid keeps the logits' order)
     _check_routing(layer, logits.float(), hf_w, hf_ids)
     got = layer(x, logits.float()).float() + shared
     err, err_tok = _rel_l2(got, out), _rel_l2_token(got, out)
     assert err <= REL_L2 and err_tok <= REL_L2_TOKEN, (err, err_tok)
 
     # the expert path alone, on exactly the FP8 input our first GEMM multiplies
-    xs = x * hf_w.bfloat16()  # what our layer quantizes: the score in bf16, as a bf16 model's router gives it
-    q, s = R.quant_fp8_ref(xs)
-    xq = q.float() * s.repeat_interleave(128, dim=1)
     routed_in = torch.zeros(E, T, H)
-    routed_in[hf_ids[:, 0], torch.arange(T)] = xq
+    for j in range(top_k):
+        xs = x * hf_w[:, j : j + 1].bfloat16()  # what our layer quantizes: the score in bf16, as a bf16 router gives it
+        q, s = R.quant_fp8_ref(xs)
+        routed_in[hf_ids[:, j], torch.arange(T)] = q.float() * s.repeat_interleave(128, dim=1)
     with torch.no_grad():
         want_q = block.experts(routed_in.view(E * T, H)).view(E, T, H).sum(dim=0)
     routed = layer(x, logits.float())
     err, err_tok = _rel_l2(routed, want_q), _rel_l2_token(routed, want_q)
     assert err <= REL_L2_XQ and err_tok <= REL_L2_XQ_TOKEN, (err, err_tok)
 
-    on_output = FusedMoE.from_fp8(layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, top_k=1,
+    on_output = FusedMoE.from_fp8(layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, top_k=top_k,
                                   routing_method="llama4", apply_router_weight_on_input=False)  # fmt: skip
     assert _rel_l2(on_output(x, logits.float()).float() + shared, out) > 2 * REL_L2

@@ -176,6 +176,7 @@ CASES: dict[str, Case] = {
     "quant_fp8-fp16-T0-colmajor": quant(0, H, F16, column_major_scales=True),
     "route-softmax": route(6, 16, 4, "softmax"),
     "route-renormalize-bf16": route(6, 16, 2, "renormalize", BF16),
+    "route-llama4-fp16": route(6, 16, 2, "llama4", F16),
     "route-deepseek_v3": route(6, 32, 4, "deepseek_v3", bias=True, n_group=4, topk_group=2, routed_scaling_factor=2.5),
     "route-llama4": route(6, 16, 1, "llama4"),
     "route-sigmoid_renorm-T0": route(0, 8, 2, "sigmoid_renorm"),
@@ -209,6 +210,7 @@ CASES: dict[str, Case] = {
     "fused_moe_routed": fused_routed(5),
     "fused_moe_routed-upfirst-ue8m0": fused_routed(3, gate_first=False, act_scale_fmt="ue8m0"),
     "fused_moe_routed-weight-on-input": fused_routed(5, k=1, apply_router_weight_on_input=True),
+    "fused_moe_routed-weight-on-input-k2-ep": fused_routed(5, apply_router_weight_on_input=True),
     "fused_moe_routed-fp16": fused_routed(4, x_dtype=F16),
     "fused_moe-deepseek_v3-ep": fused(
         5,
@@ -372,19 +374,20 @@ def test_router_weight_on_input(rnd) -> None:
     assert rel > 0.1, rel  # of order one here, where the FP8 tolerance is ~5%
 
 
-def test_router_weight_on_input_needs_top_1(rnd) -> None:
+def test_router_weight_on_input_top_k_2(rnd) -> None:
+    """With k > 1 the input-side convention sums the k experts' outputs on their own scaled inputs:
+    out = bf16(sum_j expert_j(x * w_j)), each term a top-1 layer's exact bf16 row, summed in f32."""
     _, args, kwargs = _build("fused_moe-renormalize", rnd)
     x, logits, w13, s13, w2, s2, top_k, _ = args
     assert top_k == 2
-    on_input = r"apply_router_weight_on_input needs top_k == 1 \(one weight scales the token's input\), got top_k = 2"
-    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe: " + on_input):
-        cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "llama4")  # llama4's default
-    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe: " + on_input):
-        cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "softmax", apply_router_weight_on_input=True)
     ids, w = cute_moe.route(logits, top_k, "llama4")
-    with pytest.raises(NotImplementedError, match=r"cute_moe\.fused_moe_routed: " + on_input):
-        cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, apply_router_weight_on_input=True)
-    # the outputs weighted instead: any top_k
+    ones = torch.ones(x.shape[0], 1)
+    terms = [cute_moe.fused_moe_routed(x * w[:, j : j + 1].bfloat16(), ids[:, j : j + 1].contiguous(), ones,
+                                       w13, s13, w2, s2).float() for j in range(top_k)]  # fmt: skip
+    want = (terms[0] + terms[1]).bfloat16()
+    _assert_equal(cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2, apply_router_weight_on_input=True), want)
+    _assert_equal(cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "llama4"), want)  # llama4's default
+    # the outputs weighted instead
     out = cute_moe.fused_moe(x, logits, w13, s13, w2, s2, top_k, "llama4", apply_router_weight_on_input=False)
     _assert_equal(out, cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2))
 

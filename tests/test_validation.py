@@ -102,9 +102,9 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"top_k": 17}, ValueError, r"top_k must be <= num_experts \(router_logits\.shape\[1\]\) = 16"),
         (lambda g: {"method": "topk"}, ValueError, r"method must be one of 'softmax', .*, got 'topk'"),
         (
-            lambda g: {"router_logits": g["router_logits"].half()},
+            lambda g: {"router_logits": g["router_logits"].double()},
             TypeError,
-            r"router_logits must be one of float32, bfloat16",
+            r"router_logits must be one of bfloat16, float16, float32, got torch\.float64",
         ),
         (lambda g: {"score_bias": torch.rand(16)}, ValueError, r"score_bias is only allowed with method='deepseek_v3'"),
         (lambda g: {"n_group": 2}, ValueError, r"n_group and topk_group must be 1 unless method='deepseek_v3'"),
