@@ -169,9 +169,11 @@ def align(
     """Group the (token, slot) pairs by local expert into row segments padded to ``alignment``.
 
     Args:
-        topk_ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)``.  Ids outside it are
-            outside the contract: the CPU implementation raises ``ValueError``; the GPU kernel cannot
-            check them without a host sync and treats them as not local.
+        topk_ids: ``[T, k]`` int32 global expert ids in ``[0, num_experts)``, or -1 for a masked
+            slot (as vLLM's expert map marks another rank's expert), which is not local. Other ids
+            are outside the contract: the CPU implementation raises ``ValueError``; the GPU kernel
+            cannot check them without a host sync (``CUTE_MOE_DEBUG=1`` does) and treats them as
+            not local.
         num_experts: global expert count.
         alignment: row alignment of each expert segment. :func:`grouped_gemm_fp8` on the GPU needs a
             multiple of 128 (its tile M); with another value its tiles of a misaligned segment come

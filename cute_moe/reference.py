@@ -273,10 +273,12 @@ def align_ref(
     expert_offset: int = 0,
     num_local_experts=None,
 ):
-    """Expert segments -> (expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], counts [E_local])."""
+    """Expert segments -> (expert_offsets [E_local+1], row_to_token [M_cap], token_to_row [T, k], counts [E_local]).
+
+    -1 marks a masked slot (vLLM's expert map gives it for another rank's expert): not local."""
     E_local = num_experts if num_local_experts is None else num_local_experts
-    if topk_ids.numel() and bool(((topk_ids < 0) | (topk_ids >= num_experts)).any()):
-        raise ValueError(f"cute_moe.align: topk_ids must lie in [0, num_experts) = [0, {num_experts})")
+    if topk_ids.numel() and bool(((topk_ids < -1) | (topk_ids >= num_experts)).any()):
+        raise ValueError(f"cute_moe.align: topk_ids must be -1 or lie in [0, num_experts) = [0, {num_experts})")
     return align_local(topk_ids, E_local, alignment, expert_offset)
 
 

@@ -375,9 +375,20 @@ def test_align_t0_and_all_nonlocal():
 
 
 def test_align_rejects_out_of_range():
-    for bad in (8, -1):
-        with pytest.raises(ValueError):
+    for bad in (8, -2):
+        with pytest.raises(ValueError, match=r"topk_ids must be -1 or lie in \[0, num_experts\)"):
             R.align_ref(torch.tensor([[0, bad]], dtype=torch.int32), 8)
+
+
+def test_align_takes_masked_slots():
+    """-1 (vLLM's expert map for another rank's expert) is not local, as on the GPU: the same segments
+    as the slot routed to a non-local expert, and -1 in token_to_row."""
+    ids = torch.tensor([[0, -1], [3, 1], [-1, -1]], dtype=torch.int32)
+    off, r2t, t2r, counts = R.align_ref(ids, 8, 4, expert_offset=0, num_local_experts=4)
+    ref = R.align_local(torch.where(ids < 0, 7, ids), 4, 4, 0)
+    for got, want in zip((off, r2t, t2r, counts), ref):
+        assert torch.equal(got, want)
+    assert t2r[0, 1] == -1 and bool((t2r[2] == -1).all())
 
 
 def test_m_cap_ints_and_symints():
