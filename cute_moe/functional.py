@@ -495,8 +495,9 @@ def fill_kv_cache_fp8(
     no sequence), a negative position, a block index past ``max_blocks`` or a block id outside
     ``[0, num_blocks)``: the kernel never writes out of bounds. Two tokens sent to one slot (a
     block id shared between sequences) are outside the contract: which token's codes and scales
-    the slot ends with is unspecified. With ``CUTE_MOE_DEBUG=1`` the CUDA path checks the block ids on
-    the host (a device sync) and raises ``ValueError`` instead.
+    the slot ends with is unspecified. With ``CUTE_MOE_DEBUG=1`` the CUDA path checks every entry
+    of ``block_offsets`` on the host (a device sync) and raises ``ValueError`` for one outside
+    ``[-1, num_blocks)``; -1 entries are still skipped.
     Inputs must be finite (non-finite values give unspecified codes).
     """
     _ops.fill_kv_cache_fp8(

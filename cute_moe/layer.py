@@ -1,7 +1,7 @@
 """``FusedMoE``: a whole FP8 MoE layer as a ``torch.nn.Module``.
 
 The module holds the routed experts' FP8 weights and their 128x128 f32 block scales
-as buffers, in the layout of ARCHITECTURE.md, and its ``forward`` is one call of
+as buffers, in the layout of the README's "Layouts" section, and its ``forward`` is one call of
 :func:`cute_moe.functional.fused_moe` (route -> align -> permute_quant -> GEMM ->
 silu_mul_quant -> GEMM -> finalize), so it traces under
 ``torch.compile(fullgraph=True)`` and runs wherever the ops run (the CPU reference

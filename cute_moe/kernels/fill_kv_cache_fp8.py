@@ -6,10 +6,11 @@ sequence ``b`` (global token ``t = cu_seqlens_q[b] + j``) lands at position
 slot ``pos % bs``; each (token, head, group of ``G`` channels) is quantized with
 the contract's formula (``fp8_group.quantize_group_fp8``): codes into the FP8
 cache, the f32 scale into the scale cache. Nothing else in the caches changes.
-Tokens past ``cu_seqlens_q[-1]``, negative positions, block indices past
-``max_blocks`` and block ids outside ``[0, num_blocks)`` are not written (the
-kernel never writes out of bounds; ``CUTE_MOE_DEBUG=1`` makes the op check block
-ids on the host and raise instead).
+Tokens before ``cu_seqlens_q[0]`` or past ``cu_seqlens_q[-1]`` (in no sequence),
+negative positions, block indices past ``max_blocks`` and block ids outside
+``[0, num_blocks)`` are not written (the kernel never writes out of bounds;
+``CUTE_MOE_DEBUG=1`` makes the op check the block table on the host and raise for
+an entry outside ``[-1, num_blocks)``; -1 entries are still skipped).
 
 Layouts: the host hands the kernel every cache as a logical
 ``[num_blocks, block_size, H, D]`` view with its own strides (a ``bhsd`` cache is
