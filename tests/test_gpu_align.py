@@ -89,6 +89,17 @@ def test_align_expert_parallel_shards(T):
     _check(_ids(T, 6, 384, seed=T + 1), 384, 128, 0, 384)  # E_local = E, explicit
 
 
+@pytest.mark.parametrize("T", [1, 300, 16384])
+def test_align_masked_slots(T):
+    """-1 ids (vLLM's expert map for another rank's expert) are not local: bit for bit the reference's
+    segments, whole and as an expert-parallel shard."""
+    ids = _ids(T, 8, 256, seed=T + 3)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    ids = torch.where(torch.rand(ids.shape, generator=g, device="cuda") < 0.3, -1, ids).contiguous()
+    _check(ids, 256)
+    _check(ids, 256, 128, 64, 32)
+
+
 @pytest.mark.parametrize("T,k", [(1, 1), (1, 8), (129, 2), (65536, 8)])
 def test_align_every_entry_on_one_expert(T, k):
     ids = torch.full((T, k), 5, dtype=torch.int32, device="cuda")
