@@ -378,7 +378,7 @@ def fused_moe_routed(
             ``[expert_offset, expert_offset + E_local)``, negative ones included (-1 for a masked
             slot, as vLLM's expert map gives), are not local and contribute nothing.
             On the GPU ``k <= 32`` (``NotImplementedError`` otherwise, before any launch).
-        topk_weights: ``[T, k]`` f32.
+        topk_weights: ``[T, k]`` f32, bf16 or fp16 (converted to f32, exactly).
         w13: ``[E_local, 2I, H]`` float8_e4m3fn (gate rows first when ``gate_first``), ``I % 128 == 0``,
             ``I >= 128``.
         w13_scale: ``[E_local, 2I/128, H/128]`` f32, unit last stride.

@@ -286,7 +286,7 @@ class FusedMoE(torch.nn.Module):
         Args:
             x: ``[..., H]`` bf16 or fp16.
             topk_ids: ``[..., k]`` int32 *global* expert ids (ids this module does not own contribute nothing).
-            topk_weights: ``[..., k]`` f32, applied as given (no ``routed_scaling_factor``), to the
+            topk_weights: ``[..., k]`` f32, bf16 or fp16, applied as given (no ``routed_scaling_factor``), to the
                 expert outputs or, with ``apply_router_weight_on_input``, to the inputs.
         """
         x2, lead = _flat(x, "x", "H")

@@ -599,6 +599,7 @@ def _moe_from_topk(
 ) -> Tensor:
     e_local = w13.shape[0]
     T, k = topk_ids.shape
+    topk_weights = topk_weights.float()  # finalize takes f32; 16-bit weights convert exactly
     if weight_on_input:
         # HF Llama-4's convention (vLLM's apply_router_weight_on_input): expert j of token t sees
         # x[t] * w[t, j], w rounded to x's dtype first, as both compute it. Each slot becomes a token

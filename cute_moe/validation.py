@@ -531,8 +531,10 @@ def validate_silu_mul_quant(
     check_same_device(op, h=h, expert_offsets=expert_offsets, expert_counts=expert_counts)
 
 
-def _check_topk_pair(op: str, weights: Tensor, ids: Tensor, w_name: str, i_name: str, T: Optional[int] = None) -> None:
-    _tensor(op, w_name, weights, torch.float32, 2, "[T, k]")
+def _check_topk_pair(
+    op: str, weights: Tensor, ids: Tensor, w_name: str, i_name: str, T: Optional[int] = None, w_dtypes=torch.float32
+) -> None:
+    _tensor(op, w_name, weights, w_dtypes, 2, "[T, k]")
     _tensor(op, i_name, ids, _INDEX, 2, "[T, k]")
     check_shape(op, i_name, ids, tuple(weights.shape), f"[T, k] (the shape of {w_name})")
     if T is not None and weights.shape[0] != T:
@@ -609,7 +611,8 @@ def validate_fused_moe_routed(
     """Returns ``apply_router_weight_on_input``."""
     op = "fused_moe_routed"
     e_local = _check_moe_weights(op, x, w13, w13_scale, w2, w2_scale, gate_first, act_scale_fmt)
-    _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0])
+    # 16-bit weights (an HF router's, in a bf16 model) are taken: the layer converts them to f32, exactly
+    _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0], w_dtypes=_FLOAT_ACT)
     check_int(op, "expert_offset", expert_offset, min=0, max=INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
     if x.is_cuda and x.shape[0] and topk_ids.shape[1] > _GPU_MAX_TOPK:  # T = 0 launches nothing
         # Checked here, not by finalize at the end, so that nothing has launched yet.

@@ -470,6 +470,9 @@ def test_fused_moe_routed_equals_fused_moe():
                               score_bias=w.bias)  # fmt: skip
     assert torch.equal(layer(x, logits), want)
     assert torch.equal(layer.forward_routed(x, ids, wts), want)
+    # bf16 weights (an HF router's in a bf16 model): their exact f32 values
+    w16 = wts.bfloat16()
+    assert torch.equal(layer.forward_routed(x, ids, w16), layer.forward_routed(x, ids, w16.float()))
 
 
 def test_fused_moe_routed_negative_ids_contribute_nothing():

@@ -392,6 +392,16 @@ def test_router_weight_on_input_top_k_2(rnd) -> None:
     _assert_equal(out, cute_moe.fused_moe_routed(x, ids, w, w13, s13, w2, s2))
 
 
+def test_fused_moe_routed_takes_16_bit_weights(rnd) -> None:
+    """An HF router's weights in a bf16 model are bf16: taken, as their exact f32 values."""
+    _, args, kwargs = _build("fused_moe_routed", rnd)
+    x, ids, w, *weights = args
+    w16 = w.bfloat16()
+    want = cute_moe.fused_moe_routed(x, ids, w16.float(), *weights, **kwargs)
+    _assert_equal(cute_moe.fused_moe_routed(x, ids, w16, *weights, **kwargs), want)
+    _assert_equal(cute_moe.fused_moe_routed(x, ids, w16.half(), *weights, **kwargs), want)
+
+
 def test_ops_are_inference_only(rnd) -> None:
     """Inputs that require grad give outputs that do not (no autograd graph, no gradient through the
     op): torch's fallback used to warn, then propagate wrong gradients or fail on FP8 tensors."""

@@ -275,6 +275,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
     ],
     "fused_moe_routed": [
         (lambda g: {"x": g["x"].float()}, TypeError, r"x must be one of bfloat16, float16, got torch\.float32"),
+        (
+            lambda g: {"topk_weights": g["topk_weights"].double()},
+            TypeError,
+            r"topk_weights must be one of bfloat16, float16, float32, got torch\.float64",
+        ),
         (lambda g: {"w13": g["w13"][:, :, :128]}, ValueError, r"w13 must have K = 256"),
         (lambda g: {"w2": _r(2, H, 2 * I, dtype=FP8)}, ValueError, r"w2 must have K = 128"),
         (lambda g: {"w2": _r(3, H, I, dtype=FP8)}, ValueError, r"w2 must have E = 2"),
