@@ -119,9 +119,10 @@ def route(
     """Top-k expert routing (all math in f32; ties go to the lower expert id).
 
     Args:
-        router_logits: ``[T, E]`` f32, bf16 or fp16 (converted to f32, exactly), finite (not
-            checked: a NaN or inf in a row gives that token an unspecified selection and weights,
-            NaN for some methods; other tokens are unaffected).
+        router_logits: ``[T, E]`` f32, bf16 or fp16 (converted to f32, exactly; on the GPU that copy
+            keeps fp16 calls off the launch memo's replays), finite (not checked: a NaN or inf in a
+            row gives that token an unspecified selection and weights, NaN for some methods; other
+            tokens are unaffected).
         top_k: experts per token, ``1 <= top_k <= E``.
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.

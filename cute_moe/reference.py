@@ -414,25 +414,19 @@ def fused_moe_routed_ref(
 
     apply_router_weight_on_input: expert j of token t gets x[t] * w[t, j] (w rounded to x's dtype first,
     the product rounded to it, as HF Llama-4 and vLLM) and the k outputs are summed unweighted: each
-    slot is run as a top-1 token of its own (exact bf16 rows), then summed in f32 and rounded once."""
+    slot is a top-1 token of its own, and finalize sums a token's k bf16 rows with weight 1."""
+    T, k = topk_ids.shape
+    ids = topk_ids
     if apply_router_weight_on_input:
-        T, k = topk_ids.shape
-        xs = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, x.shape[1])
-        ones = torch.ones(T * k, 1, dtype=torch.float32, device=x.device)
-        per_slot = fused_moe_routed_ref(
-            xs, topk_ids.reshape(T * k, 1), ones, w13, w13_scale, w2, w2_scale, expert_offset, gate_first,
-            act_scale_fmt,
-        ).float()  # fmt: skip
-        out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        for j in range(k):  # f32, in slot order, as finalize
-            out = out + per_slot.view(T, k, -1)[:, j]
-        return out.to(torch.bfloat16).to(x.dtype)
-    offsets, row_to_token, token_to_row, _ = align_local(topk_ids, w13.shape[0], BLOCK, expert_offset)
+        x = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, x.shape[1])
+        ids = topk_ids.reshape(T * k, 1)
+        topk_weights = torch.ones(T, k, dtype=torch.float32, device=x.device)
+    offsets, row_to_token, token_to_row, _ = align_local(ids, w13.shape[0], BLOCK, expert_offset)
     a, a_scale = permute_quant_ref(x, row_to_token, offsets, act_scale_fmt)
     h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, offsets)
     a2, a2_scale = silu_mul_quant_ref(h, offsets, gate_first, act_scale_fmt)
     y = grouped_gemm_fp8_ref(a2, a2_scale, w2, w2_scale, offsets)
-    return finalize_ref(y, topk_weights, token_to_row).to(x.dtype)
+    return finalize_ref(y, topk_weights.float(), token_to_row.reshape(T, k)).to(x.dtype)
 
 
 def fused_moe_ref(

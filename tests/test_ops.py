@@ -121,10 +121,10 @@ def _moe_weights(rnd, E_local: int) -> tuple:
     return w13, s13, w2, s2
 
 
-def fused_routed(T, k=2, x_dtype=BF16, **kw) -> Case:
+def fused_routed(T, k=2, x_dtype=BF16, x_scale=1.0, **kw) -> Case:
     def build(rnd):
         ids = rnd.topk_ids(T, k, 8)
-        args = (rnd.randn(T, H, dtype=x_dtype), ids, rnd.weights(T, k), *_moe_weights(rnd, 4))
+        args = (rnd.randn(T, H, dtype=x_dtype, scale=x_scale), ids, rnd.weights(T, k), *_moe_weights(rnd, 4))
         return "fused_moe_routed", args, {"expert_offset": 2, **kw}
 
     return build
@@ -212,6 +212,9 @@ CASES: dict[str, Case] = {
     "fused_moe_routed-weight-on-input": fused_routed(5, k=1, apply_router_weight_on_input=True),
     "fused_moe_routed-weight-on-input-k2-ep": fused_routed(5, apply_router_weight_on_input=True),
     "fused_moe_routed-fp16": fused_routed(4, x_dtype=F16),
+    # small fp16 outputs (fp16 subnormals): the k slots' bf16 rows summed in f32, never rounded to fp16 first
+    "fused_moe_routed-fp16-weight-on-input-k2": fused_routed(64, x_dtype=F16, x_scale=0.02,
+                                                             apply_router_weight_on_input=True),
     "fused_moe-deepseek_v3-ep": fused(
         5,
         8,
