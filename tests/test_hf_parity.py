@@ -1,8 +1,9 @@
 """cute_moe.FusedMoE against HuggingFace transformers' own MoE blocks (CPU, small random configs).
 
-For DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock and Llama4TextMoe: the HF block gets *our*
-dequantized FP8 expert weights (``dequant_block_128x128_ref`` of the 128x128-quantized weights, so
-both sides use the identical weights), runs in float32, and sees the same hidden states. Checked:
+For DeepseekV3MoE, Qwen3MoeSparseMoeBlock, MixtralSparseMoeBlock, Llama4TextMoe and
+MiniMaxM2SparseMoeBlock: the HF block gets *our* dequantized FP8 expert weights
+(``dequant_block_128x128_ref`` of the 128x128-quantized weights, so both sides use the identical
+weights), runs in float32, and sees the same hidden states. Checked:
 
 * routing: the HF router's top-k ids equal ours (as sets per token: HF's ``torch.topk(sorted=False)``
   order is unspecified) and its weights equal ours to 1e-6; our layer gets the HF router's logits;
@@ -321,3 +322,42 @@ def test_llama4_text_moe(top_k: int) -> None:
     on_output = FusedMoE.from_fp8(layer.w13, layer.w13_scale, layer.w2, layer.w2_scale, top_k=top_k,
                                   routing_method="llama4", apply_router_weight_on_input=False)  # fmt: skip
     assert _rel_l2(on_output(x, logits.float()).float() + shared, out) > 2 * REL_L2
+
+
+# ----------------------------------------------------------------------------- MiniMax-M2
+
+
+def test_minimax_m2_sparse_block() -> None:
+    """MiniMaxM2SparseMoeBlock: sigmoid scores, top-k of scores + a selection bias kept at block level
+    (``{prefix}e_score_correction_bias``, not under ``gate.``), weights = the unbiased scores
+    renormalized: ``deepseek_v3`` with ``n_group=1``. Loaded through from_hf_fp8 with the checkpoint's
+    w1 / w3 / w2 names; without the bias 73% of tokens changed experts in the audit that found it."""
+    from transformers import MiniMaxM2Config
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2SparseMoeBlock
+
+    E, top_k = 16, 4
+    g = torch.Generator().manual_seed(500)
+    w13, w2 = _weights(g, E)
+    names = ("w1", "w3", "w2")
+    prefix = "model.layers.2.block_sparse_moe."
+    gate_w = torch.randn(E, H, generator=g) * H**-0.5
+    bias = torch.randn(E, generator=g) * 0.2
+    sd = _hf_checkpoint(FusedMoE.from_bf16(w13, w2, top_k=top_k), prefix, gate_w, None, names)
+    sd[f"{prefix}e_score_correction_bias"] = bias
+    layer = FusedMoE.from_hf_fp8(sd, prefix, E, top_k, routing_method="deepseek_v3", proj_names=names)
+    assert layer.score_bias is not None and torch.equal(layer.score_bias, bias)
+    cfg = MiniMaxM2Config(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=top_k,
+                          hidden_act="silu")  # fmt: skip
+    block = MiniMaxM2SparseMoeBlock(_eager(cfg)).float().eval()
+    _set_hf_experts(block, R.dequant_block_128x128_ref(layer.w13, layer.w13_scale),
+                    R.dequant_block_128x128_ref(layer.w2, layer.w2_scale), names)  # fmt: skip
+    with torch.no_grad():
+        block.gate.weight.copy_(gate_w.bfloat16().float())
+        block.e_score_correction_bias.copy_(bias)
+    x = torch.randn(T, H, generator=g).bfloat16()
+    xf = x.float()
+    with torch.no_grad():
+        logits, hf_w, hf_ids = block.gate(xf, block.e_score_correction_bias)
+        want = block(xf[None])[0]
+    _check_routing(layer, logits.float(), hf_w.float(), hf_ids)
+    _check_outputs(layer, block, x, logits.float(), hf_w.float(), hf_ids, layer(x, logits.float()), want)
