@@ -226,6 +226,15 @@ def _check_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: 
         raise ValueError(f"cute_moe.{op}: expert_counts[e] must lie in [0, expert_offsets[e+1] - expert_offsets[e]]")
 
 
+def _check_gather_maps(
+    op: str, num_tokens: int, row_to_token: Tensor, expert_offsets: Tensor, token_to_row: Optional[Tensor] = None
+) -> None:
+    """permute(_quant)'s index data: row_to_token in [-1, T), token_to_row in [-1, M_cap), the segments."""
+    _check_indices(op, "row_to_token", row_to_token, -1, num_tokens)
+    _check_indices(op, "token_to_row", token_to_row, -1, row_to_token.shape[0])
+    _check_segments(op, expert_offsets, row_to_token.shape[0])
+
+
 def _as_scales(s: Tensor, mn_major: bool) -> Tensor:
     """``s`` in the layout the fake implementation promises, not a view (a copy only when needed)."""
     out = _empty_scales(s, s.shape[0], s.shape[1], mn_major)
@@ -383,9 +392,7 @@ def permute_quant(
     zero_padding: bool = True,
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
-    _check_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
-    _check_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
-    _check_segments("permute_quant", expert_offsets, row_to_token.shape[0])
+    _check_gather_maps("permute_quant", x.shape[0], row_to_token, expert_offsets, token_to_row)
     a, s = R.permute_quant_ref(x, row_to_token, expert_offsets, scale_fmt, token_to_row)
     return a.contiguous(), _as_scales(s, True)
 
@@ -402,9 +409,7 @@ def _permute_quant_cuda(
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
     permute_quant_cuda = _launcher("permute_quant", "permute_quant_cuda")
     if _debug_checks():
-        _check_indices("permute_quant", "row_to_token", row_to_token, -1, x.shape[0])
-        _check_indices("permute_quant", "token_to_row", token_to_row, -1, row_to_token.shape[0])
-        _check_segments("permute_quant", expert_offsets, row_to_token.shape[0])
+        _check_gather_maps("permute_quant", x.shape[0], row_to_token, expert_offsets, token_to_row)
 
     # With token_to_row: the token-major kernel (x read once); without: the row-major one.
     return permute_quant_cuda(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
@@ -423,8 +428,7 @@ def _permute_quant_fake(x: Tensor, row_to_token: Tensor, *_: Any) -> tuple[Tenso
 @_custom_op(f"{_NS}::permute", mutates_args=(), device_types="cpu")
 def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
-    _check_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
-    _check_segments("permute", expert_offsets, row_to_token.shape[0])
+    _check_gather_maps("permute", a_in.shape[0], row_to_token, expert_offsets)
     a, s = R.permute_ref(a_in, a_in_scale, row_to_token, expert_offsets)
     return a.contiguous(), _as_scales(s, True)
 
@@ -436,8 +440,7 @@ def _permute_cuda(
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
     permute_cuda = _launcher("permute_quant", "permute_cuda")
     if _debug_checks():
-        _check_indices("permute", "row_to_token", row_to_token, -1, a_in.shape[0])
-        _check_segments("permute", expert_offsets, row_to_token.shape[0])
+        _check_gather_maps("permute", a_in.shape[0], row_to_token, expert_offsets)
 
     return permute_cuda(a_in, a_in_scale, row_to_token, expert_offsets)
 
@@ -612,8 +615,8 @@ def _moe_from_topk(
             "align", topk_ids, num_experts, _MOE_ALIGNMENT, expert_offset, e_local
         )
     else:
-        # align's CPU implementation refuses ids outside [0, num_experts); the layer's rule is the GPU
-        # kernel's: any id outside the local range, negative ones included, is not local.
+        # align's CPU implementation refuses ids outside [-1, num_experts); the layer's rule is the GPU
+        # kernel's: any id outside the local range (fused_moe_routed's are unbounded) is not local.
         offsets, row_to_token, token_to_row, counts = R.align_local(topk_ids, e_local, _MOE_ALIGNMENT, expert_offset)
     # Padding rows stay unwritten: both GEMMs and silu_mul_quant are given the counts and skip them.
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
