@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over small GPU test cases: every kernel, and the sm90 GEMM's compile variants
-# (with and without expert counts, pairs along N and M, store-wait and store-behind epilogues):
+# (with and without expert counts, pairs along N and M, store-wait and store-behind epilogues,
+# 128- and 256-wide tiles):
 #   DSL=$(bash .device/use-cute-dsl.sh) || exit 3; export PYTHONPATH=$PWD:$DSL
 #   bash bench/sanitize.sh TOOL [pytest node ids...]      (from the repository root)
 # TOOL: memcheck, racecheck, synccheck or initcheck.  Without node ids, the cases below; memcheck
@@ -33,15 +34,19 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 CS=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 G=tests/test_gpu_grouped_gemm.py
 cases=(
-  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_wait]"
-  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_behind]"
-  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_m-store_wait]"
-  "$G::test_grouped_gemm_fp8[E32_N512_K4096_ragged-pairs_m-store_behind]"
-  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-E8_N256_K1536_decode]"
-  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-dsv3_w2_E256_decode]"
-  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_wait-E8_N384_K384_ragged]"
-  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_behind-E10_N2112_K512_sparse_edge]"
-  "$G::test_grouped_gemm_fp8_misaligned_segments_give_nan_with_counts[pairs_m-store_wait]"
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_wait-tile128]"
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_n-store_behind-tile128]"
+  "$G::test_grouped_gemm_fp8[E32_N256_K1536_empty-pairs_m-store_wait-tile128]"
+  "$G::test_grouped_gemm_fp8[E32_N512_K4096_ragged-pairs_m-store_behind-tile128]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-tile128-E8_N256_K1536_decode]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-tile128-dsv3_w2_E256_decode]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_wait-tile128-E8_N384_K384_ragged]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_behind-tile128-E10_N2112_K512_sparse_edge]"
+  "$G::test_grouped_gemm_fp8_misaligned_segments_give_nan_with_counts[pairs_m-store_wait-tile128]"
+  "$G::test_grouped_gemm_fp8[E1_N2112_K7168-pairs_n-store_wait-tile256]"
+  "$G::test_grouped_gemm_fp8[E8_N384_K384_ragged-pairs_m-store_wait-tile256]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-tile256-dsv3_w13_E8_ragged]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_wait-tile256-E10_N2112_K512_sparse_edge]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_token_scales_in_two_launches[ragged-True]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_two_launches_through_the_launch_function"
   "tests/test_gpu_permute_quant.py::test_permute_quant_h_not_a_multiple_of_1024"

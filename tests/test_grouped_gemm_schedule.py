@@ -33,9 +33,10 @@ def _routings(rng):
     yield "zero_rows", [0] * E, rng.choice([0, 128, 4096])
 
 
+@pytest.mark.parametrize("tile_n", [gs.TILE_N, 2 * gs.TILE_N])
 @pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("seed", range(30))
-def test_schedule_covers_every_tile_once(seed, cluster_n):
+def test_schedule_covers_every_tile_once(seed, cluster_n, tile_n):
     rng = random.Random(seed)
     for name, counts, spare in _routings(rng):
         offsets = _padded_offsets(counts)
@@ -44,10 +45,10 @@ def test_schedule_covers_every_tile_once(seed, cluster_n):
             continue  # the launchers return before any launch
         n = rng.choice([128, 256, 384, 512, 2112, 4096, 7168, 8, 200])
         num_sms = rng.choice([148, 132, 16, 2])
-        plan = gs.tile_schedule(offsets, m_cap, n, num_sms, cluster_n)
-        n_tiles = -(-n // gs.TILE_N)
+        plan = gs.tile_schedule(offsets, m_cap, n, num_sms, cluster_n, tile_n)
+        n_tiles = -(-n // tile_n)
         n_groups = -(-n_tiles // cluster_n)
-        grid = gs.launch_grid(m_cap, n, num_sms, cluster_n)
+        grid = gs.launch_grid(m_cap, n, num_sms, cluster_n, tile_n)
         assert len(plan) == grid == cluster_n * min(num_sms // cluster_n, m_cap // gs.TILE_M * n_groups), name
 
         seen = {}
@@ -90,9 +91,10 @@ def test_prepare_a_scale_takes_only_mn_major():
             gs.prepare_a_scale(bad)
 
 
+@pytest.mark.parametrize("tile_n", [gs.TILE_N, 2 * gs.TILE_N])
 @pytest.mark.parametrize("band_pairs", [1, gs.PAIRS_PER_BAND])
 @pytest.mark.parametrize("seed", range(30))
-def test_pair_schedule_covers_every_tile_once(seed, band_pairs):
+def test_pair_schedule_covers_every_tile_once(seed, band_pairs, tile_n):
     """The sm90 schedule: clusters of 2 CTAs on M tiles 2i, 2i + 1 of one N tile, in lockstep; every
     tile below expert_offsets[-1] visited once, inside its expert's segment; a pair of one expert
     shares its weight tile; the only tile past the end is an odd count's last, with its partner's
@@ -105,9 +107,9 @@ def test_pair_schedule_covers_every_tile_once(seed, band_pairs):
             continue
         n = rng.choice([128, 256, 384, 2112, 4096, 7168, 8, 200])
         num_sms = rng.choice([132, 148, 16, 2])
-        plan = gs.pair_tile_schedule(offsets, m_cap, n, num_sms, band_pairs)
-        grid = gs.pair_launch_grid(m_cap, n, num_sms)
-        n_tiles = -(-n // gs.TILE_N)
+        plan = gs.pair_tile_schedule(offsets, m_cap, n, num_sms, band_pairs, tile_n)
+        grid = gs.pair_launch_grid(m_cap, n, num_sms, tile_n)
+        n_tiles = -(-n // tile_n)
         m_tiles = offsets[-1] // gs.TILE_M
         assert len(plan) == grid == 2 * min(num_sms // 2, max(1, -(-(m_cap // gs.TILE_M) // 2) * n_tiles)), name
         seen = {}
@@ -151,3 +153,18 @@ def test_cluster_direction_heuristic():
     assert not any(gs.cluster_along_m(m_cap(t), 256, 7168) for t in (1, 128, 2048, 4096, 65536))
     assert not any(gs.cluster_along_m(m_cap(t, 32), 32, 7168) for t in (2048, 8192))
     assert not gs.cluster_along_m(4 * 8192, 4, 7168) and not gs.cluster_along_m(0, 0, 7168)
+
+
+def test_tile_width_heuristic():
+    """The 256-wide tile for prefill (experts averaging >= 2 real M tiles): DeepSeek-V3's routed
+    GEMMs from T = 8192 and long contiguous segments at K = 7168; 128 wide at decode and T = 4096
+    (one real tile per expert), and on contiguous segments at K <= 2048 (the store-behind epilogue)."""
+    def m_cap(t, experts=256):
+        return -(-(8 * t + experts * 127) // 128) * 128
+
+    for k in (7168, 2048):
+        assert gs.wide_tile(m_cap(8192), 256, k, True) and gs.wide_tile(m_cap(16384), 256, k, True)
+        assert not any(gs.wide_tile(m_cap(t), 256, k, True) for t in (1, 16, 128, 1024, 4096))
+    assert gs.wide_tile(4 * 8192, 4, 7168, False) and gs.wide_tile(32 * 512, 32, 7168, False)
+    assert not gs.wide_tile(4 * 8192, 4, 2048, False) and not gs.wide_tile(32 * 512, 32, 2048, False)
+    assert not gs.wide_tile(0, 0, 7168, True) and not gs.wide_tile(128, 1, 7168, False)

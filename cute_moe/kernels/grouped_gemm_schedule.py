@@ -42,15 +42,15 @@ CLUSTER_M = 2  # sm90 at prefill MoE shapes: CTAs on M tiles 2i, 2i + 1 of one N
 PAIRS_PER_BAND = 4  # sm90, prefill: M-tile pairs per band of the visit order (8 M tiles)
 
 
-def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1) -> int:
+def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1, tile_n: int = TILE_N) -> int:
     """CTAs the host launches: one per SM (a multiple of ``cluster_n``), fewer when M_cap x N has
-    fewer tiles."""
-    clusters = min(num_sms // cluster_n, (m_cap // TILE_M) * -(-n // (TILE_N * cluster_n)))
+    fewer tiles (``tile_n`` columns wide)."""
+    clusters = min(num_sms // cluster_n, (m_cap // TILE_M) * -(-n // (tile_n * cluster_n)))
     return cluster_n * max(1, clusters)
 
 
-def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
-                  cluster_n: int = 1) -> list[list[tuple[int, int, int]]]:  # fmt: skip
+def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int, cluster_n: int = 1,
+                  tile_n: int = TILE_N) -> list[list[tuple[int, int, int]]]:  # fmt: skip
     """The (m_tile, n_tile, expert) triples each CTA visits, in order: the kernels' arithmetic.
 
     ``len(result)`` is the launched grid.  The ``cluster_n`` CTAs of a cluster (consecutive
@@ -59,8 +59,8 @@ def tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
     multicast) but writes nothing.  Tiles at or past ``expert_offsets[-1]`` are never visited;
     the expert of a tile is the number of segment ends at or below its first row.
     """
-    grid = launch_grid(m_cap, n, num_sms, cluster_n)
-    n_groups = -(-n // (TILE_N * cluster_n))
+    grid = launch_grid(m_cap, n, num_sms, cluster_n, tile_n)
+    n_groups = -(-n // (tile_n * cluster_n))
     end = min(expert_offsets[-1], m_cap)
     valid = -(-end // TILE_M) * n_groups
     ends = expert_offsets[1:]
@@ -116,10 +116,10 @@ def expert_and_rows(mOff: cute.Tensor, mCnt: cute.Tensor, row: Int32, num_expert
     return cute.arch.warp_reduction_sum(count), cute.arch.warp_reduction_sum(rows)
 
 
-def pair_launch_grid(m_cap: int, n: int, num_sms: int) -> int:
+def pair_launch_grid(m_cap: int, n: int, num_sms: int, tile_n: int = TILE_N) -> int:
     """CTAs the sm90 kernel launches: clusters of 2 along M, one CTA per SM, fewer when M_cap x N
     has fewer tile pairs."""
-    clusters = min(num_sms // 2, -(-(m_cap // TILE_M) // 2) * -(-n // TILE_N))
+    clusters = min(num_sms // 2, -(-(m_cap // TILE_M) // 2) * -(-n // tile_n))
     return 2 * max(1, clusters)
 
 
@@ -135,8 +135,27 @@ def cluster_along_m(m_cap: int, num_experts: int, k: int) -> bool:
     experts, whose M_cap is sized for every routed row, so the estimate cannot see their size)."""
     if k < 4096 or num_experts < 64:
         return False
-    real_tiles = (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * num_experts)
-    return 2 <= real_tiles <= 6
+    return 2 <= real_tiles_per_expert(m_cap, num_experts) <= 6
+
+
+def real_tiles_per_expert(m_cap: int, num_experts: int) -> float:
+    """M tiles of real rows per expert, estimated from M_cap less ``align``'s worst-case padding
+    (``TILE_M - 1`` rows per expert); for contiguous segments (no padding) it undercounts slightly."""
+    return (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * max(num_experts, 1))
+
+
+def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
+    """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
+    accumulator) rather than 128-wide ones: where experts average at least 2 M tiles of real rows
+    (prefill), except on contiguous segments (no expert counts) with K <= 2048, where the 128-wide
+    tile's store-behind epilogue is as quick.  Same-run A/B on the H200 (bench/NOTES.md, session
+    20): DeepSeek-V3 w13 / w2 routed at T = 8192 -11 to -16% / -7%, contiguous K = 7168 -3 to -6%;
+    contiguous K = 2048 +0.5 to +2%; decode T <= 1024 +1.5 to +7%, and routed T = 4096 (one real M
+    tile per expert) w13 +3%, w2 -3%.  Like ``cluster_along_m`` it cannot see an expert-parallel
+    slice's real rows (M_cap is sized for every routed row)."""
+    if k <= 16 * TILE_K and not has_counts:
+        return False
+    return real_tiles_per_expert(m_cap, num_experts) >= 2
 
 
 def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple[int, int]:
@@ -148,8 +167,8 @@ def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple
     return band * band_pairs + pair, n_tile
 
 
-def pair_tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int,
-                       band_pairs: int) -> list[list[tuple[int, int, int, bool]]]:  # fmt: skip
+def pair_tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: int, band_pairs: int,
+                       tile_n: int = TILE_N) -> list[list[tuple[int, int, int, bool]]]:  # fmt: skip
     """The (m_tile, n_tile, expert, shared) visits of each CTA of the sm90 kernel, in order.
 
     Cluster ``c`` (CTAs ``2c``, ``2c + 1``) visits ``v = c, c + clusters, ...`` below ``pairs *
@@ -158,10 +177,10 @@ def pair_tile_schedule(expert_offsets: list[int], m_cap: int, n: int, num_sms: i
     half multicast to both); otherwise each CTA loads its own.  With an odd tile count the last
     pair's second tile lies past the end: it takes its partner's expert (so the pair shares), and
     its rows are unspecified output."""
-    grid = pair_launch_grid(m_cap, n, num_sms)
+    grid = pair_launch_grid(m_cap, n, num_sms, tile_n)
     end = min(expert_offsets[-1], m_cap)
     m_tiles = -(-end // TILE_M)
-    pairs, n_tiles = -(-m_tiles // 2), -(-n // TILE_N)
+    pairs, n_tiles = -(-m_tiles // 2), -(-n // tile_n)
     # The expert of each M tile (segment ends <= its first row); one past the end takes the last's.
     experts = [bisect.bisect_right(expert_offsets[1:], m * TILE_M) for m in range(m_tiles)]
 
@@ -207,12 +226,12 @@ def next_visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: 
 
 @cute.jit
 def pair_schedule(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n: Int32, k: Int32, band_pairs: Int32,
-                  cluster: Int32, clusters: Int32, rank: Int32):  # fmt: skip
+                  cluster: Int32, clusters: Int32, rank: Int32, tile_n: cutlass.Constexpr = TILE_N):  # fmt: skip
     """The sm90 kernel's schedule tuple (first visit, visit count, stride, N tiles, K blocks, rank,
     M tiles, pairs per band), from ``expert_offsets[-1]`` read on the device (clamped to M_cap)."""
     end = max(min(mOff[num_experts], m_cap), 0)
     m_tiles = (end + TILE_M - 1) // TILE_M
-    n_tiles = (n + TILE_N - 1) // TILE_N
+    n_tiles = (n + tile_n - 1) // tile_n
     return cluster, (m_tiles + 1) // 2 * n_tiles, clusters, n_tiles, k // TILE_K, rank, m_tiles, band_pairs
 
 
@@ -253,18 +272,23 @@ def valid_tiles(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n_groups: I
 
 @cute.jit
 def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, m_tile: Int32,
-                      n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32):  # fmt: skip
+                      n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32, b_blocks: cutlass.Constexpr = 1):  # fmt: skip
     """cp.async of one K block's scales into a stage, by one warp: the tile's 128 A scales
-    (``a_scale`` is MN-major: 16 contiguous bytes per lane) and, from lane 0, its B scale (none
-    for an N tile past the last, a multicast-only visit).  ``gSB``: the expert's (N blocks, K blocks)."""
+    (``a_scale`` is MN-major: 16 contiguous bytes per lane) and its ``b_blocks`` B scales (an N tile
+    of ``b_blocks`` x 128 columns), block ``j`` from lane ``4 j`` into ``sSB[j, stage]`` (none past
+    the last N block: a multicast-only visit, or the second half of a 256-wide tile past N).
+    ``gSB``: the expert's (N blocks, K blocks)."""
     per_lane = TILE_M // 32
     copy_a = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * per_lane)
     copy_b = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32)
     cute.copy(copy_a, cute.local_tile(mSA, (per_lane, 1), (m_tile * 32 + lane, k_tile)),
               cute.local_tile(sSA, (per_lane, 1), (lane, stage)))  # fmt: skip
-    if lane == 0:
-        if n_tile < gSB.shape[0]:
-            cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (n_tile, k_tile)), cute.local_tile(sSB, (1, 1), (0, stage)))
+    for j in cutlass.range_constexpr(b_blocks):
+        # Lanes 4j: lanes 1-3 copy the segment record (copy_segment).
+        if lane == 4 * j:
+            if n_tile * b_blocks + j < gSB.shape[0]:
+                cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (n_tile * b_blocks + j, k_tile)),
+                          cute.local_tile(sSB, (1, 1), (j, stage)))  # fmt: skip
 
 
 @cute.jit
@@ -301,12 +325,13 @@ def visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32
 @cute.jit
 def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
                 mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None,
-                pairs: cutlass.Constexpr = False):  # fmt: skip
+                pairs: cutlass.Constexpr = False, b_blocks: cutlass.Constexpr = 1):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
     stage of ``scale_pipe`` (a PipelineCpAsync, or on sm90 ``ScalesIntoStages``: the producer side
     of a pipeline whose commit is each lane's ``cp.async`` arrive, which fires when its copies land).
     With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage.  ``pairs``:
-    clusters along M (a tile past the last one reads its partner's scales), else along N."""
+    clusters along M (a tile past the last one reads its partner's scales), else along N.
+    ``b_blocks``: B scale blocks per N tile (``copy_block_scales``)."""
     first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     expert, _ = visit_expert(mOff, num_experts, lane, first_tile, sched, pairs)
@@ -318,7 +343,7 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
         next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_pipe.producer_acquire(state)
-            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane)
+            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane, b_blocks)
             if cutlass.const_expr(segment is not None):
                 if k_tile == 0:
                     copy_segment(mOff, segment[0], segment[1], expert, state.index, lane)

@@ -21,15 +21,19 @@ from the shapes by ``cluster_along_m``:
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
   re-reads otherwise bound the kernel.  A pair across two experts loads B per CTA.
 
+The tile's width is the other compile-time choice (``wide_tile``): 128 x 128, or 128 x 256 at
+prefill sizes.  The wide tile costs a quarter fewer operand bytes per FLOP through L2 and TMA; it
+has room for 4 stages only and no store-behind epilogue, and its math goes by halves (below).
+
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
-  (128 x 128) into one of ``STAGES`` shared-memory stages (``PipelineTmaAsync``), each by one
+  (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.  With expert counts (pairs along N,
   K > 2048: the w13 GEMM) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that
   holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
-  so 512 contiguous bytes: 16 per lane) and its one B scale into the K block's stage
+  so 512 contiguous bytes: 16 per lane) and its one B scale (two for a 256-wide tile) into the K block's stage
   (``ScalesIntoStages``): each lane's copies count as one arrival on the stage's full
   barrier, so the math warps wait once per K block for tiles and scales together (a
   separate scale pipeline cost a second wait per block: 0.5-1% at prefill, session 9),
@@ -42,7 +46,10 @@ from the shapes by ``cluster_along_m``:
   registers moved from the producer group (40) to them (232).  Two temporary
   accumulators alternate: K block ``j + 1``'s WGMMAs are issued before K block
   ``j``'s are waited for (``wait_group(1)``), so the promotion's FFMAs of one block
-  run while the tensor cores work on the next.  After a tile's last K block the
+  run while the tensor cores work on the next.  The 256-wide tile (accumulator 2 x 64 registers)
+  has room for one 64-register temporary only (``wide_k_block``): per K block, each 128-wide half
+  of B (one B scale block) is issued into it, waited for and promoted, so a warp group's
+  promotion overlaps the other warp group's WGMMAs instead of its own.  After a tile's last K block the
   accumulator goes to bf16 through shared memory (stmatrix, 128 x 32 sub-tiles) and
   out by TMA stores, which clip columns past N; the producer warps meanwhile run
   ahead into the next tile.  For short K loops (K <= 2048, ``store_behind_epilogue``)
@@ -63,6 +70,7 @@ this is written as NaN, never as a plausible wrong answer.  A, B K-major with
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import cutlass
@@ -77,15 +85,20 @@ from cutlass.tensor_utils import LayoutEnum
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
-    expert_and_rows, fake_operands, fp8_operands, launch, load_scales, pair_launch_grid, pair_schedule, valid_tiles,
-    visit_coords, visit_expert,
+    expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales, pair_launch_grid, pair_schedule,
+    valid_tiles, visit_coords, visit_expert, wide_tile,
 )  # fmt: skip
 
-# (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 516 B scales) + 2 x 8 KB =
-# 211 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile, 195 KB.
-STAGES, STORE_BEHIND_STAGES = 6, 5
+# (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
+# 2 x 8 KB = 211 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile,
+# 195 KB.  The 128 x 256 tile: 4 x (16 KB + 32 KB + 532 B) + 2 x 8 KB = 210 KB (no room for the
+# store-behind epilogue's 64 KB beside enough stages).
+STAGES, STORE_BEHIND_STAGES, WIDE_STAGES = 6, 5, 4
 EPI_N = 32
-EPI_BUFFERS, STORE_BEHIND_BUFFERS = 2, TILE_N // EPI_N
+EPI_BUFFERS = 2
+# The WGMMA's N, and the columns of one B scale block: a wider tile runs as halves of this width.
+WGMMA_N = 128
+WIDE_TILE_N = 2 * WGMMA_N
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
 _NUM_CONSUMER_WARPS = 8
@@ -126,7 +139,7 @@ class GroupedGemmFp8Sm90:
     can_implement = staticmethod(can_implement)
 
     def __init__(self, block_scaled: bool = True, has_counts: bool = False, along_m: bool = False,
-                 store_behind: bool = False):  # fmt: skip
+                 store_behind: bool = False, tile_n: int = TILE_N):  # fmt: skip
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
@@ -139,15 +152,26 @@ class GroupedGemmFp8Sm90:
         # stores to drain during the next tile's K loop (one K-block stage less makes room); else the
         # math warps wait for each 128 x 32 sub-tile's store before reusing its buffer.
         self.store_behind = store_behind
-        self.stages = STORE_BEHIND_STAGES if store_behind else STAGES
+        # tile_n: 128, or 256 (WIDE_TILE_N) run as two 128-wide halves through one temporary
+        # accumulator (``wide_k_block``), whose A and B tiles cost 25% fewer operand bytes per FLOP.
+        if tile_n not in (TILE_N, WIDE_TILE_N):
+            raise ValueError(f"tile_n must be {TILE_N} or {WIDE_TILE_N}, got {tile_n}")
+        if store_behind and tile_n != TILE_N:
+            raise ValueError(f"the store-behind epilogue needs tile_n={TILE_N} (shared memory), got {tile_n}")
+        self.tile_n = tile_n
+        self.n_halves = tile_n // WGMMA_N
+        if store_behind:
+            self.stages = STORE_BEHIND_STAGES
+        else:
+            self.stages = STAGES if tile_n == TILE_N else WIDE_STAGES
         # A boxes only where they paid in a same-run A/B (bench/NOTES.md, session 15): pairs along N
         # with a long K loop (not store_behind), i.e. the w13 GEMM from decode to routed T = 4096.
         # At K = 2048 (w2) and with pairs along M, whole tiles were as quick or quicker.
         self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
-        self.epi_buffers = STORE_BEHIND_BUFFERS if store_behind else EPI_BUFFERS
-        self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + TILE_N * TILE_K + 4 * TILE_M + 4 + 12) + (
+        self.epi_buffers = tile_n // EPI_N if store_behind else EPI_BUFFERS
+        self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + tile_n * TILE_K + 4 * TILE_M + 4 * self.n_halves + 12) + (
             self.epi_buffers * TILE_M * EPI_N * 2
-        )
+        )  # fmt: skip
 
     def a_box_layout(self, sA_layout, rows: int):
         """The first ``rows`` rows of each A stage (``rows`` a multiple of 8: whole swizzle atoms), as
@@ -163,10 +187,11 @@ class GroupedGemmFp8Sm90:
         return cute.tile_to_shape(atom, (rows, TILE_K, self.stages), order=(0, 1, 2))
 
     def make_tiled_mma(self):
-        """Two warp groups of QGMMA.64x128x32 (e4m3 x e4m3 -> f32), one above the other."""
+        """Two warp groups of QGMMA.64x128x32 (e4m3 x e4m3 -> f32), one above the other; a 256-wide
+        tile issues them on each half of its B tile."""
         fp8 = cutlass.Float8E4M3FN
         k_major = cute.nvgpu.OperandMajorMode.K
-        return sm90_utils.make_trivial_tiled_mma(fp8, fp8, k_major, k_major, Float32, (2, 1, 1), tiler_mn=(64, TILE_N))
+        return sm90_utils.make_trivial_tiled_mma(fp8, fp8, k_major, k_major, Float32, (2, 1, 1), tiler_mn=(64, WGMMA_N))
 
     @cute.jit
     def __call__(self, mA, mB, mSA, mSB, mOff, mC, mCnt, grid_ctas: Int32, stream):
@@ -174,9 +199,9 @@ class GroupedGemmFp8Sm90:
         mA, mB = fp8_operands(mA, mB)  # (M_cap, K), (N, K, E)
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
-        sB_layout = self._smem_layout(TILE_N)
+        sB_layout = self._smem_layout(self.tile_n)
         sB_tile = cute.slice_(sB_layout, (None, None, 0))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (TILE_N, TILE_K))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (self.tile_n, TILE_K))
         # A's TMA atoms, one per box height (A_BOX_ROWS with counts): pairs along N multicast (each CTA
         # loads half the box's rows), pairs along M load per CTA.
         a_op = cpasync.CopyBulkTensorTileG2SOp() if self.along_m else cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -193,7 +218,7 @@ class GroupedGemmFp8Sm90:
             # B two ways: a pair of M tiles of one expert loads the tile once (half per CTA, each half
             # multicast to both CTAs); a pair across two experts loads it per CTA.
             tma_b_pair, tma_mB_pair = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (TILE_N, TILE_K), num_multicast=CLUSTER_M
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (self.tile_n, TILE_K), num_multicast=CLUSTER_M
             )
             tma_b, tma_mB = (tma_b, tma_b_pair), (tma_mB, tma_mB_pair)
         c_atom = warpgroup.make_smem_layout_atom(
@@ -210,7 +235,7 @@ class GroupedGemmFp8Sm90:
         class SharedStorage:
             ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * TILE_M], 16]
-            sSB: cute.struct.Align[cute.struct.MemRange[Float32, self.stages], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, self.n_halves * self.stages], 16]
             sSeg: cute.struct.Align[cute.struct.MemRange[Int32, 3 * self.stages], 16]
             sA: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sA_layout)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sB_layout)], 1024]
@@ -240,11 +265,11 @@ class GroupedGemmFp8Sm90:
             cluster_mn = (CLUSTER_M, 1)
             # M tiles 2i, 2i + 1 of one N tile (grouped_gemm_schedule.pair_tile_schedule); B shared.
             sched = pair_schedule(mOff, num_experts, mC.shape[0], mC.shape[1], mA[0].shape[1], PAIRS_PER_BAND,
-                                  bidx // CLUSTER_M, grid // CLUSTER_M, rank)  # fmt: skip
+                                  bidx // CLUSTER_M, grid // CLUSTER_M, rank, self.tile_n)  # fmt: skip
         else:
             cluster_mn = (1, CLUSTER_N)
             # N tiles 2j, 2j + 1 of one M tile (grouped_gemm_schedule.tile_schedule); A shared.
-            n_groups = (mC.shape[1] + TILE_N * CLUSTER_N - 1) // (TILE_N * CLUSTER_N)
+            n_groups = (mC.shape[1] + self.tile_n * CLUSTER_N - 1) // (self.tile_n * CLUSTER_N)
             sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
                      n_groups, mA[0].shape[1] // TILE_K, rank)  # fmt: skip
         cta_layout = cute.make_layout((*cluster_mn, 1))
@@ -282,7 +307,7 @@ class GroupedGemmFp8Sm90:
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sSA = storage.sSA.get_tensor(cute.make_layout((TILE_M, self.stages)))
-        sSB = storage.sSB.get_tensor(cute.make_layout((1, self.stages)))
+        sSB = storage.sSB.get_tensor(cute.make_layout((self.n_halves, self.stages)))
         sSeg = storage.sSeg.get_tensor(cute.make_layout((3, self.stages)))
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
 
@@ -298,7 +323,7 @@ class GroupedGemmFp8Sm90:
                              sched)  # fmt: skip
             if warp_idx == _SCALE_WARP:
                 load_scales(mSA, mSB, sSA, sSB, ScalesIntoStages(ab_pipe), self.stages, mOff, num_experts, lane,
-                            sched, segment=(mCnt, sSeg), pairs=self.along_m)  # fmt: skip
+                            sched, segment=(mCnt, sSeg), pairs=self.along_m, b_blocks=self.n_halves)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, (mC, mC_direct), tidx - 128, sched)
@@ -315,7 +340,7 @@ class GroupedGemmFp8Sm90:
         first_tile, tiles, tile_stride, k_tiles, rank = sched[0], sched[1], sched[2], sched[4], sched[5]
         if cutlass.const_expr(self.along_m):
             (tma_b, tma_b_pair), (mB, mB_pair) = tma_b, mB
-            gB_pair = cute.local_tile(mB_pair, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
+            gB_pair = cute.local_tile(mB_pair, (self.tile_n, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
             tBsB_pair, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M),
                                                          cute.group_modes(sB, 0, 2),
                                                          cute.group_modes(gB_pair, 0, 2))  # fmt: skip
@@ -328,7 +353,7 @@ class GroupedGemmFp8Sm90:
             a_parts.append(cpasync.tma_partition(tma_a[i], a_cta, cute.make_layout(a_ctas),
                                                  cute.group_modes(sA_boxes[i], 0, 2),
                                                  cute.group_modes(gA, 0, 2)))  # fmt: skip
-        gB = cute.local_tile(mB, (TILE_N, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
+        gB = cute.local_tile(mB, (self.tile_n, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
         tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
                                            cute.group_modes(gB, 0, 2))  # fmt: skip
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -377,7 +402,7 @@ class GroupedGemmFp8Sm90:
         """(index into A_BOX_ROWS of the first box at or above ``rows``, the stage's expected bytes
         with it), warp-uniform; (0, unused) with one box."""
         box = Int32(0)
-        stage_bytes = Int32((self.a_boxes[0] + TILE_N) * TILE_K)
+        stage_bytes = Int32((self.a_boxes[0] + self.tile_n) * TILE_K)
         for i in cutlass.range_constexpr(1, len(self.a_boxes)):
             taller = Int32(rows > self.a_boxes[i - 1])
             box += taller
@@ -407,25 +432,29 @@ class GroupedGemmFp8Sm90:
         # slice they stay on the uniform datapath (no R2UR per WGMMA).
         thr_mma_wg = tiled_mma.get_slice(cute.arch.make_warp_uniform(math_tidx // 128) * 128)
         tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
-        tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
-        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
-        acc = cute.make_rmem_tensor(tCcC.shape, Float32)
+        # Per WGMMA_N-wide half of the tile: B's fragment, and the accumulator (one tensor per half;
+        # tCcC: an element's coordinates within its half).
+        tCrB = [tiled_mma.make_fragment_B(thr_mma_wg.partition_B(
+            cute.local_tile(sB, (WGMMA_N, TILE_K, self.stages), (h, 0, 0)))) for h in range(self.n_halves)]  # fmt: skip
+        tCcC = thr_mma.partition_C(cute.make_identity_tensor((TILE_M, WGMMA_N)))
+        acc = [cute.make_rmem_tensor(tCcC.shape, Float32) for _ in range(self.n_halves)]
         tmp0 = cute.make_rmem_tensor(tCcC.shape, Float32)
         tmp1 = cute.make_rmem_tensor(tCcC.shape, Float32)
         # Pipeline positions (stage index, phase) of the next K block to issue (r) and to finish
         # (d), carried across tiles as plain integers.
         r_idx, r_ph, d_idx, d_ph = Int32(0), Int32(0), Int32(0), Int32(0)
         # The accumulator fragment covers two rows per thread: element i's row is row0 + ROW_OFF[i].
-        c0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        c0 = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((TILE_M, WGMMA_N)))
         row_offsets = sorted({c0[i][0] - c0[0][0] for i in range(cute.size(c0))})
         # sparse_epilogue stores elements 2j, 2j + 1 together (adjacent columns of one row), from the
         # first warp group only (its last thread must hold row SPARSE_ROWS - 1 or later).
         assert all(c0[i + 1][0] == c0[i][0] and c0[i + 1][1] == c0[i][1] + 1 for i in range(0, cute.size(c0), 2))
-        c127 = tiled_mma.get_slice(127).partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+        c127 = tiled_mma.get_slice(127).partition_C(cute.make_identity_tensor((TILE_M, WGMMA_N)))
         assert max(c127[i][0] for i in range(cute.size(c127))) >= SPARSE_ROWS - 1
         which_row = [row_offsets.index(c0[i][0] - c0[0][0]) for i in range(cute.size(c0))]
         rows = (tCcC[0][0], row_offsets, which_row)
-        # The scales of tmp0's / tmp1's K block, one per row of the thread.
+        # The scales of tmp0's / tmp1's K block, one per row of the thread (the wide tile: the block's
+        # A scales, and their products with a half's B scale).
         scl0 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
@@ -439,7 +468,8 @@ class GroupedGemmFp8Sm90:
             acc_init = Float32(0.0)
             if (seg_start % TILE_M) | (seg_end % TILE_M) != 0:
                 acc_init = Float32(float("nan"))
-            acc.fill(acc_init)
+            for h in cutlass.range_constexpr(self.n_halves):
+                acc[h].fill(acc_init)
             # With expert counts, a warp group whose 64 rows are all padding only keeps the
             # pipelines in step (decode: one real row per expert halves the tensor-core work).
             busy = True
@@ -459,10 +489,17 @@ class GroupedGemmFp8Sm90:
                 r_idx, r_ph, d_idx, d_ph = self.unscaled_k_loop(acc, tCrA, tCrB, ab_pipe, k_tiles, r_idx, r_ph, d_idx,
                                                                 d_ph)  # fmt: skip
             elif busy:
-                r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(
-                    acc, (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB, rows, sSA, sSB, ab_pipe,
-                    k_tiles, r_idx, r_ph, d_idx, d_ph,
-                )  # fmt: skip
+                if cutlass.const_expr(self.n_halves == 1):
+                    r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(
+                        acc[0], (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB[0], rows, sSA, sSB,
+                        ab_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph,
+                    )  # fmt: skip
+                else:
+                    for _k in cutlass.range(k_tiles, unroll=1):
+                        self.wide_k_block(acc, tmp0, (scl0, scl1, which_row), tCrA, tCrB, rows, sSA, sSB, ab_pipe,
+                                          r_idx, r_ph)  # fmt: skip
+                        r_idx, r_ph = self._next(r_idx, r_ph)
+                    d_idx, d_ph = r_idx, r_ph
             else:
                 r_idx, r_ph = self.idle_k_loop(ab_pipe, k_tiles, r_idx, r_ph)
                 d_idx, d_ph = r_idx, r_ph
@@ -512,13 +549,36 @@ class GroupedGemmFp8Sm90:
         return r_idx, r_ph, d_idx, d_ph
 
     @cute.jit
+    def wide_k_block(self, acc, tmp, scl, tCrA, tCrB, rows, sSA, sSB, ab_pipe, idx, ph):
+        """One K block of a 256-wide tile: per 128-wide half (one B scale block), its WGMMAs into the
+        one temporary, waited for, then promoted into the half's accumulator; the stage is freed
+        once the second half's WGMMAs are done.  A warp group's promotion overlaps the other warp
+        group's WGMMAs, not its own: a second temporary would not fit (128 + 2 x 64 registers)."""
+        scl_a, scl_ab, which_row = scl
+        row0, row_offsets, _ = rows
+        for h in cutlass.range_constexpr(self.n_halves):
+            self.issue(tmp, tCrA, tCrB[h], ab_pipe, idx, ph)
+            b_scale = sSB[h, idx]
+            for j in cutlass.range_constexpr(len(row_offsets)):
+                if cutlass.const_expr(h == 0):
+                    scl_a[j] = sSA[row0 + row_offsets[j], idx]
+                scl_ab[j] = scl_a[j] * b_scale
+            warpgroup.wait_group(0)
+            if cutlass.const_expr(h == self.n_halves - 1):
+                ab_pipe.consumer_release(self._state(idx, ph))
+            for i in cutlass.range_constexpr(cute.size(tmp)):
+                acc[h][i] = acc[h][i] + tmp[i] * scl_ab[which_row[i]]
+
+    @cute.jit
     def unscaled_k_loop(self, acc, tCrA, tCrB, ab_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph):
-        """The benchmark variant: every K block into ``acc``, one group in flight, scales unused."""
+        """The benchmark variant: every K block into ``acc`` (per half), one K block's groups in
+        flight, scales unused."""
         for k in cutlass.range(k_tiles, unroll=1):
-            self.issue(acc, tCrA, tCrB, ab_pipe, r_idx, r_ph, accumulate=True)
+            for h in cutlass.range_constexpr(self.n_halves):
+                self.issue(acc[h], tCrA, tCrB[h], ab_pipe, r_idx, r_ph, accumulate=True)
             r_idx, r_ph = self._next(r_idx, r_ph)
             if k > 0:
-                warpgroup.wait_group(1)
+                warpgroup.wait_group(self.n_halves)
                 ab_pipe.consumer_release(self._state(d_idx, d_ph))
                 d_idx, d_ph = self._next(d_idx, d_ph)
         warpgroup.wait_group(0)
@@ -594,7 +654,7 @@ class GroupedGemmFp8Sm90:
         )
         thr_r2s = copy_r2s.get_slice(math_tidx)
         tRS_sC = thr_r2s.partition_D(sC)  # (R2S, R2S_M, R2S_N, buffers)
-        tRS_rAcc = copy_r2s.retile(acc)
+        tRS_rAcc = [copy_r2s.retile(a) for a in acc]
         sub_shape = cute.shape(thr_r2s.partition_S(sC))[:3]
         return copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC
 
@@ -604,17 +664,19 @@ class GroupedGemmFp8Sm90:
         rows 0-63, stores them from its accumulator, two bf16 per store; padding rows (unspecified
         with expert counts) are not written, nor is anything past M_cap or N."""
         if math_tidx // 128 == 0:
-            row0, col0 = m_tile * TILE_M, n_tile * TILE_N
+            row0 = m_tile * TILE_M
             rPair = cute.make_rmem_tensor((2,), Float32)
             rOut = cute.make_rmem_tensor((2,), cutlass.BFloat16)
-            for i in cutlass.range_constexpr(0, cute.size(acc), 2):
-                r, c = tCcC[i]
-                row, col = row0 + r, col0 + c
-                if r < rows_left and row < mC.shape[0] and col < mC.shape[1]:
-                    rPair[0] = acc[i]
-                    rPair[1] = acc[i + 1]
-                    rOut.store(rPair.load().to(cutlass.BFloat16))
-                    cute.autovec_copy(rOut, cute.local_tile(mC[row, None], (2,), (col // 2,)))
+            for h in cutlass.range_constexpr(self.n_halves):
+                col0 = n_tile * self.tile_n + h * WGMMA_N
+                for i in cutlass.range_constexpr(0, cute.size(acc[h]), 2):
+                    r, c = tCcC[i]
+                    row, col = row0 + r, col0 + c
+                    if r < rows_left and row < mC.shape[0] and col < mC.shape[1]:
+                        rPair[0] = acc[h][i]
+                        rPair[1] = acc[h][i + 1]
+                        rOut.store(rPair.load().to(cutlass.BFloat16))
+                        cute.autovec_copy(rOut, cute.local_tile(mC[row, None], (2,), (col // 2,)))
 
     @cute.jit
     def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
@@ -623,7 +685,7 @@ class GroupedGemmFp8Sm90:
         before the next tile's epilogue rewrites the buffers (a K loop later: no wait in practice).
         Else two buffers, each reused once its sub-tile's store has read it."""
         copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC = epi
-        gC = cute.zipped_divide(cute.local_tile(mC, (TILE_M, TILE_N), (m_tile, n_tile)), (TILE_M, EPI_N))
+        gC = cute.zipped_divide(cute.local_tile(mC, (TILE_M, self.tile_n), (m_tile, n_tile)), (TILE_M, EPI_N))
         bSG_sC, bSG_gC = cpasync.tma_partition(tma_c, 0, cute.make_layout(1), cute.group_modes(sC, 0, 2), gC)
         rD = cute.make_rmem_tensor(sub_shape, Float32)
         rD_out = cute.make_rmem_tensor(sub_shape, cutlass.BFloat16)
@@ -633,10 +695,11 @@ class GroupedGemmFp8Sm90:
             if store_warp:
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
             barrier.arrive_and_wait()
-        for sub in cutlass.range_constexpr(TILE_N // EPI_N):
+        for sub in cutlass.range_constexpr(self.tile_n // EPI_N):
             buf = sub % self.epi_buffers
+            half, sub_in_half = divmod(sub, WGMMA_N // EPI_N)
             for v in cutlass.range_constexpr(cute.size(rD)):
-                rD[v] = tRS_rAcc[sub * cute.size(rD) + v]
+                rD[v] = tRS_rAcc[half][sub_in_half * cute.size(rD) + v]
             rD_out.store(rD.load().to(cutlass.BFloat16))
             cute.copy(copy_r2s, rD_out, tRS_sC[(None, None, None, buf)])
             if cutlass.const_expr(not self.store_behind):
@@ -653,18 +716,18 @@ class GroupedGemmFp8Sm90:
             cute.arch.fence_proxy("async.shared", space="cta")
             barrier.arrive_and_wait()
             if store_warp:
-                for sub in cutlass.range_constexpr(TILE_N // EPI_N):
+                for sub in cutlass.range_constexpr(self.tile_n // EPI_N):
                     cute.copy(tma_c, bSG_sC[(None, sub)], bSG_gC[(None, (0, sub))])
                 cute.arch.cp_async_bulk_commit_group()
 
 
 @cached_compile
 def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False,
-                             along_m: bool = False, store_behind: bool = False):  # fmt: skip
+                             along_m: bool = False, store_behind: bool = False, tile_n: int = TILE_N):  # fmt: skip
     """One binary for every M_cap, N, K, expert count and routing."""
     mA, mB, mSA, mSB, mOff, mC = fake_operands()
     mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
-    kernel = GroupedGemmFp8Sm90(block_scaled, has_counts, along_m, store_behind)
+    kernel = GroupedGemmFp8Sm90(block_scaled, has_counts, along_m, store_behind, tile_n)
     return compile_kernel(kernel, mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1), arch=arch, keep_cubin=keep_cubin)
 
 
@@ -677,23 +740,32 @@ def store_behind_epilogue(k: int) -> bool:
 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
-                          along_m: bool | None = None, store_behind: bool | None = None):  # fmt: skip
+                          along_m: bool | None = None, store_behind: bool | None = None,
+                          tile_n: int | None = None):  # fmt: skip
     """Launch on a's device and current stream; inputs validated by the op layer.
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
     a warp group whose 64 rows of a tile are all past the count skips its math, and a tile with at
     most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.
     ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored).  ``along_m``,
-    ``store_behind``: the cluster direction and the epilogue (``cluster_along_m`` and
-    ``store_behind_epilogue`` of the shapes when None; tests and benchmarks force either)."""
+    ``store_behind``, ``tile_n``: the cluster direction, the epilogue and the tile's width
+    (``cluster_along_m``, ``store_behind_epilogue`` and ``wide_tile`` of the shapes when None; tests
+    and benchmarks force either).  The 256-wide tile has no store-behind epilogue."""
     has_counts = expert_counts is not None
     if along_m is None:
         along_m = cluster_along_m(a.shape[0], b.shape[0], a.shape[1])
+    if tile_n is None:
+        wide = wide_tile(a.shape[0], b.shape[0], a.shape[1], has_counts) and not store_behind
+        tile_n = WIDE_TILE_N if wide else TILE_N
     if store_behind is None:
-        store_behind = store_behind_epilogue(a.shape[1])
-    key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind)
+        store_behind = store_behind_epilogue(a.shape[1]) and tile_n == TILE_N
+    key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind, tile_n)
+    if along_m:
+        grid_fn = functools.partial(pair_launch_grid, tile_n=tile_n)
+    else:
+        grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=tile_n)
     return launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-                  (expert_counts if has_counts else expert_offsets,), grid_fn=pair_launch_grid if along_m else None)  # fmt: skip
+                  (expert_counts if has_counts else expert_offsets,), grid_fn=grid_fn)  # fmt: skip
 
 
 def inspect_variants(arch: str):
@@ -701,13 +773,16 @@ def inspect_variants(arch: str):
     if arch != "sm_90a":
         return []
     out = []
-    for along_m, store_behind, counts in ((False, False, False), (False, False, True), (True, False, True),
-                                          (False, True, True)):  # fmt: skip
-        kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind)
-        name = (f"grouped_gemm_fp8[sm90, persistent, 128x128x128, {kernel.stages} stages, 2 temporary accumulators, "
+    for along_m, store_behind, counts, tile_n in ((False, False, False, TILE_N), (False, False, True, TILE_N),
+                                                  (True, False, True, TILE_N), (False, True, True, TILE_N),
+                                                  (False, False, False, WIDE_TILE_N), (False, False, True, WIDE_TILE_N),
+                                                  (True, False, True, WIDE_TILE_N)):  # fmt: skip
+        kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind, tile_n)
+        accumulators = "2 temporary accumulators" if tile_n == TILE_N else "2 halves through 1 temporary accumulator"
+        name = (f"grouped_gemm_fp8[sm90, persistent, 128x{tile_n}x128, {kernel.stages} stages, {accumulators}, "
                 f"cluster {'2x1 (B shared)' if along_m else '1x2 (A shared)'}"
                 f"{', store-behind epilogue' if store_behind else ''}{', expert_counts' if counts else ''}]")  # fmt: skip
-        out.append((name, compile_grouped_gemm_fp8(arch, True, True, counts, along_m, store_behind),
+        out.append((name, compile_grouped_gemm_fp8(arch, True, True, counts, along_m, store_behind, tile_n),
                     kernel.dynamic_smem_bytes))  # fmt: skip
     return out
 
