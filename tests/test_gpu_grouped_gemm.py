@@ -46,7 +46,7 @@ import torch
 
 from cute_moe.reference import align_ref, grouped_gemm_fp8_ref, quant_block_128x128_ref, quant_fp8_ref
 
-from cute_moe.kernels.grouped_gemm_schedule import cluster_along_m
+from cute_moe.kernels.grouped_gemm_schedule import cluster_along_m, wide_tile
 
 from .moe_cases import poison_pools
 
@@ -521,7 +521,7 @@ def test_grouped_gemm_fp8_side_stream_and_cuda_graph(regime):
     cases = {"prefill": _prefill_graph_case, "prefill_pairs_m": lambda: _prefill_graph_case(64, 256, 4096, 384),
              "decode": _decode_graph_case}  # fmt: skip
     E, N, K, first, later = cases[regime]()
-    assert cluster_along_m(first.m_cap, E, K) == (regime == "prefill_pairs_m")
+    assert cluster_along_m(first.m_cap, E, K, wide_tile(first.m_cap, E, K, False)) == (regime == "prefill_pairs_m")
     p = make_problem(E, N, K, first, seed=sum(map(ord, regime)))
     run_checked(p)  # compiles before capture
 

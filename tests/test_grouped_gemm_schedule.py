@@ -156,15 +156,25 @@ def test_cluster_direction_heuristic():
 
 
 def test_tile_width_heuristic():
-    """The 256-wide tile for prefill (experts averaging >= 2 real M tiles): DeepSeek-V3's routed
-    GEMMs from T = 8192 and long contiguous segments at K = 7168; 128 wide at decode and T = 4096
-    (one real tile per expert), and on contiguous segments at K <= 2048 (the store-behind epilogue)."""
+    """The 256-wide tile for prefill (experts averaging >= 1 real M tile): DeepSeek-V3's routed
+    GEMMs from T = 4096 and long contiguous segments at K = 7168; 128 wide at decode sizes, and on
+    contiguous segments at K <= 2048 (the store-behind epilogue)."""
     def m_cap(t, experts=256):
         return -(-(8 * t + experts * 127) // 128) * 128
 
     for k in (7168, 2048):
-        assert gs.wide_tile(m_cap(8192), 256, k, True) and gs.wide_tile(m_cap(16384), 256, k, True)
-        assert not any(gs.wide_tile(m_cap(t), 256, k, True) for t in (1, 16, 128, 1024, 4096))
+        assert all(gs.wide_tile(m_cap(t), 256, k, True) for t in (4096, 8192, 16384))
+        assert not any(gs.wide_tile(m_cap(t), 256, k, True) for t in (1, 16, 128, 1024, 2048))
     assert gs.wide_tile(4 * 8192, 4, 7168, False) and gs.wide_tile(32 * 512, 32, 7168, False)
     assert not gs.wide_tile(4 * 8192, 4, 2048, False) and not gs.wide_tile(32 * 512, 32, 2048, False)
     assert not gs.wide_tile(0, 0, 7168, True) and not gs.wide_tile(128, 1, 7168, False)
+
+
+def test_cluster_direction_of_the_wide_tile():
+    """256 wide, pairs along M from one real M tile per expert (DeepSeek-V3's w13 at T = 4096)."""
+    def m_cap(t, experts=256):
+        return -(-(8 * t + experts * 127) // 128) * 128
+
+    assert gs.cluster_along_m(m_cap(4096), 256, 7168, True) and not gs.cluster_along_m(m_cap(4096), 256, 7168)
+    assert gs.cluster_along_m(m_cap(8192), 256, 7168, True) and not gs.cluster_along_m(m_cap(4096), 256, 2048, True)
+    assert not gs.cluster_along_m(m_cap(2048), 256, 7168, True)

@@ -123,39 +123,41 @@ def pair_launch_grid(m_cap: int, n: int, num_sms: int, tile_n: int = TILE_N) -> 
     return 2 * max(1, clusters)
 
 
-def cluster_along_m(m_cap: int, num_experts: int, k: int) -> bool:
-    """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
-    the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
-    tiles of real rows, counting M_cap less ``align``'s worst-case padding (``TILE_M - 1`` rows
-    per expert).  There each expert's weights are re-read from DRAM for each of its few M tiles,
-    which bounds the kernel.  Same-run A/B on DeepSeek-V3's w13 GEMM (uniform top-8 routing,
-    bench/NOTES.md, session 7): T = 8192 -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T = 16384 -3
-    to -7%; neutral at T = 4096 (one real tile per expert), +12% at T = 2048, +17% at T = 128,
-    +2 to +6% on the K = 2048 w2 GEMM, on long contiguous segments, and on EP8 slices (32 local
-    experts, whose M_cap is sized for every routed row, so the estimate cannot see their size)."""
-    if k < 4096 or num_experts < 64:
-        return False
-    return 2 <= real_tiles_per_expert(m_cap, num_experts) <= 6
-
-
 def real_tiles_per_expert(m_cap: int, num_experts: int) -> float:
     """M tiles of real rows per expert, estimated from M_cap less ``align``'s worst-case padding
-    (``TILE_M - 1`` rows per expert); for contiguous segments (no padding) it undercounts slightly."""
+    (``TILE_M - 1`` rows per expert); for contiguous segments (no padding) it undercounts slightly.
+    An expert-parallel slice's M_cap is sized for every routed row, so there it overcounts."""
     return (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * max(num_experts, 1))
 
 
 def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
-    accumulator) rather than 128-wide ones: where experts average at least 2 M tiles of real rows
-    (prefill), except on contiguous segments (no expert counts) with K <= 2048, where the 128-wide
+    accumulator) rather than 128-wide ones: where experts average at least one M tile of real rows
+    (prefill), except on contiguous segments (no expert counts) at K <= 2048, where the 128-wide
     tile's store-behind epilogue is as quick.  Same-run A/B on the H200 (bench/NOTES.md, session
-    20): DeepSeek-V3 w13 / w2 routed at T = 8192 -11 to -16% / -7%, contiguous K = 7168 -3 to -6%;
-    contiguous K = 2048 +0.5 to +2%; decode T <= 1024 +1.5 to +7%, and routed T = 4096 (one real M
-    tile per expert) w13 +3%, w2 -3%.  Like ``cluster_along_m`` it cannot see an expert-parallel
-    slice's real rows (M_cap is sized for every routed row)."""
+    20), 256 wide (with ``cluster_along_m``'s direction for it) against 128: DeepSeek-V3's routed
+    w13 / w2 at T = 8192 -11 to -16% / -7%, at T = 4096 -4% / -5%; contiguous K = 7168 -3 to -6%;
+    contiguous K = 2048 +0.5 to +2%; decode (T <= 1024, under one real tile per expert) +1.5 to
+    +7% on w13, -2 to +7% on w2."""
     if k <= 16 * TILE_K and not has_counts:
         return False
-    return real_tiles_per_expert(m_cap, num_experts) >= 2
+    return real_tiles_per_expert(m_cap, num_experts) >= 1
+
+
+def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False) -> bool:
+    """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
+    the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
+    tiles of real rows (1 to 6 with the 256-wide tile, ``wide``).  There each expert's weights are
+    re-read from DRAM for each of its few M tiles, which bounds the kernel.  Same-run A/B on
+    DeepSeek-V3's w13 GEMM (uniform top-8 routing, bench/NOTES.md), 128 wide (session 7): T = 8192
+    -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T = 16384 -3 to -7%; neutral at T = 4096 (one real tile
+    per expert), +12% at T = 2048, +17% at T = 128, +2 to +6% on the K = 2048 w2 GEMM, on long
+    contiguous segments, and on EP8 slices (32 local experts, whose M_cap is sized for every routed
+    row, so the estimate cannot see their size).  256 wide (session 20): T = 4096 -11%, T = 8192
+    -7%; long contiguous segments neutral."""
+    if k < 4096 or num_experts < 64:
+        return False
+    return (1 if wide else 2) <= real_tiles_per_expert(m_cap, num_experts) <= 6
 
 
 def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple[int, int]:

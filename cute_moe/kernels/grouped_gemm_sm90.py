@@ -752,13 +752,13 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     (``cluster_along_m``, ``store_behind_epilogue`` and ``wide_tile`` of the shapes when None; tests
     and benchmarks force either).  The 256-wide tile has no store-behind epilogue."""
     has_counts = expert_counts is not None
-    if along_m is None:
-        along_m = cluster_along_m(a.shape[0], b.shape[0], a.shape[1])
+    m_cap, num_experts, k = a.shape[0], b.shape[0], a.shape[1]
     if tile_n is None:
-        wide = wide_tile(a.shape[0], b.shape[0], a.shape[1], has_counts) and not store_behind
-        tile_n = WIDE_TILE_N if wide else TILE_N
+        tile_n = WIDE_TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
+    if along_m is None:
+        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N)
     if store_behind is None:
-        store_behind = store_behind_epilogue(a.shape[1]) and tile_n == TILE_N
+        store_behind = store_behind_epilogue(k) and tile_n == TILE_N
     key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind, tile_n)
     if along_m:
         grid_fn = functools.partial(pair_launch_grid, tile_n=tile_n)
