@@ -13,7 +13,9 @@ Implementations (each row of the table):
                       dropped (one accumulator, no promotion): what the promotion costs, measured.
 * ``cute_moe_pairs_n`` / ``cute_moe_pairs_m`` (``--both-clusters``) the kernel with its cluster
                       direction forced (pairs of N tiles sharing A / of M tiles sharing B), to check
-                      the shape heuristic ``cluster_along_m`` that ``cute_moe`` follows.
+                      the shape heuristic ``cluster_along_m`` that ``cute_moe`` follows (with the
+                      tile width ``wide_tile`` picks; ``ab_grouped_gemm.py --variant tile_n=128``
+                      forces a width).
 * ``cublas_block``    ``torch._scaled_mm`` with blockwise 1x128 / 128x128 f32 scales (cuBLAS), a *dense*
                       GEMM with the same FLOPs: M = all routed rows (decode: rounded up to 16),
                       one expert's N x K weight.  Convention (torch 2.9-2.11): ``scale_a`` [M, K/128]
