@@ -9,9 +9,10 @@
 # Each case also checks its output against the reference.  $OUT/<tool>.log holds the tool's
 # report, $OUT/<tool>.txt pytest's output.
 #
-# What session 17 saw (bench/NOTES.md), on the cases named there:
+# What sessions 17 and 20 saw (bench/NOTES.md), on the cases named there:
 # - memcheck: 0 errors over this list, less the two E32_N256_K1536_empty cases of pairs_n-store_behind
-#   and pairs_m-store_wait, added after the run.
+#   and pairs_m-store_wait, added after the run (session 17); the four tile256 cases, added in
+#   session 20, 0 errors on their own.
 # - synccheck: 0 errors on the GEMM (counts, pairs along M, store-behind) and permute_quant's
 #   two launches; the other kernels were not run under it.
 # - racecheck, on the GEMM and permute_quant only: write-after-read reports on the sm90 GEMM's

@@ -168,6 +168,24 @@ def test_tile_width_heuristic():
     assert gs.wide_tile(4 * 8192, 4, 7168, False) and gs.wide_tile(32 * 512, 32, 7168, False)
     assert not gs.wide_tile(4 * 8192, 4, 2048, False) and not gs.wide_tile(32 * 512, 32, 2048, False)
     assert not gs.wide_tile(0, 0, 7168, True) and not gs.wide_tile(128, 1, 7168, False)
+    # With counts, under 64 experts M_cap may be an EP slice's (every routed row): 128 wide.
+    assert not any(gs.wide_tile(m_cap(t, 32), 32, k, True) for t in (512, 4096, 8192) for k in (7168, 2048))
+
+
+def test_sm90_launch_config():
+    """Forced choices are kept, the rest follow the shape rules, and a combination the kernel does not
+    have is refused before any launch (also at M_cap = 0, where the launch returns early)."""
+    m_cap_8192 = -(-(8 * 8192 + 256 * 127) // 128) * 128
+    assert gs.sm90_launch_config(m_cap_8192, 256, 7168, True) == (True, False, 256)
+    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True) == (False, False, 256)
+    assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 128)
+    assert gs.sm90_launch_config(16 + 256 * 127, 256, 7168, True) == (False, False, 128)  # decode
+    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True, store_behind=True) == (False, True, 128)
+    assert gs.sm90_launch_config(m_cap_8192, 256, 7168, True, along_m=False, tile_n=128) == (False, False, 128)
+    for kw in ({"tile_n": 192}, {"tile_n": 64}, {"tile_n": 256, "store_behind": True}):
+        for m_cap in (0, m_cap_8192):
+            with pytest.raises(ValueError, match="tile_n"):
+                gs.sm90_launch_config(m_cap, 256, 7168, True, **kw)
 
 
 def test_cluster_direction_of_the_wide_tile():

@@ -1,7 +1,8 @@
 """The grouped GEMMs' tile schedule and host checks, shared by the sm_90a and sm_100a kernels.
 
 Persistent schedule: the host launches ``launch_grid(M_cap, N, #SMs)`` CTAs, the only
-routing-independent bound.  Output tiles are 128 x 128 and numbered ``t = m_tile * n_tiles +
+routing-independent bound.  Output tiles are 128 x 128 (128 x 256 for the sm90 kernel at prefill
+sizes: ``tile_n``; the arithmetic below is the same with 256-wide N tiles) and numbered ``t = m_tile * n_tiles +
 n_tile`` (with clusters of ``cluster_n`` CTAs along N, ``t`` numbers groups of ``cluster_n``
 adjacent N tiles, visited by one cluster; N fastest: the CTAs running together share the A rows of an M tile and walk one
 expert's weights, which stay in L2 for that expert's next M tile).  Segments are multiples of
@@ -133,15 +134,54 @@ def real_tiles_per_expert(m_cap: int, num_experts: int) -> float:
 def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
     accumulator) rather than 128-wide ones: where experts average at least one M tile of real rows
-    (prefill), except on contiguous segments (no expert counts) at K <= 2048, where the 128-wide
-    tile's store-behind epilogue is as quick.  Same-run A/B on the H200 (bench/NOTES.md, session
-    20), 256 wide (with ``cluster_along_m``'s direction for it) against 128: DeepSeek-V3's routed
-    w13 / w2 at T = 8192 -11 to -16% / -7%, at T = 4096 -4% / -5%; contiguous K = 7168 -3 to -6%;
-    contiguous K = 2048 +0.5 to +2%; decode (T <= 1024, under one real tile per expert) +1.5 to
-    +7% on w13, -2 to +7% on w2."""
+    (prefill).  Not on contiguous segments (no expert counts) at K <= 2048, where the 128-wide
+    tile's store-behind epilogue is as quick; and with expert counts not below 64 experts, where
+    M_cap may be an expert-parallel slice's, sized for every routed row (the estimate then sees up
+    to 8x the real rows), and where the pairs along M that the wide w13 GEMM needs do not apply.
+    Same-run A/Bs on the H200 (bench/NOTES.md, session 20), 256 wide (with ``cluster_along_m``'s
+    direction for it) against 128: DeepSeek-V3's routed w13 / w2 at T = 8192 -10 to -16% / -5 to
+    -7%, at T = 4096 -4 to -7% / -5%; contiguous K = 7168 -3 to -6%; contiguous K = 2048 +0.5 to
+    +2%; decode (T <= 1024, under one real tile per expert) +1.5 to +7% on w13, -2 to +7% on w2; EP8
+    slices (32 of 256 experts) T = 512 to 8192: w13 +1 to +5%, w2 -3 to +4.5%."""
     if k <= 16 * TILE_K and not has_counts:
         return False
+    if has_counts and num_experts < 64:
+        return False
     return real_tiles_per_expert(m_cap, num_experts) >= 1
+
+
+def store_behind_epilogue(k: int) -> bool:
+    """The sm90 kernel's store-behind epilogue for short K loops (at most 16 K blocks), where the
+    epilogue is a tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes
+    -3.4 to -3.8%, decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage
+    less costs +1 to +4% on contiguous and routed shapes (it gains 1-3% only at decode-like sizes)."""
+    return k <= 16 * TILE_K
+
+
+def check_sm90_variant(store_behind: bool | None, tile_n: int | None) -> None:
+    """ValueError unless the sm90 kernel has this epilogue and tile width (None: not chosen yet)."""
+    if tile_n is not None and tile_n not in (TILE_N, 2 * TILE_N):
+        raise ValueError(f"cute_moe.grouped_gemm_fp8: tile_n must be {TILE_N} or {2 * TILE_N}, got {tile_n}")
+    if store_behind and tile_n == 2 * TILE_N:
+        raise ValueError(f"cute_moe.grouped_gemm_fp8: the store-behind epilogue needs tile_n={TILE_N} (shared "
+                         f"memory), got tile_n={tile_n}")  # fmt: skip
+
+
+def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, along_m: bool | None = None,
+                       store_behind: bool | None = None, tile_n: int | None = None) -> tuple[bool, bool, int]:  # fmt: skip
+    """(along_m, store_behind, tile_n) of an sm90 launch: each one given (tests and benchmarks force
+    them) or chosen from the shapes (``wide_tile``, then ``cluster_along_m`` for that width and
+    ``store_behind_epilogue``).  ValueError for a combination the kernel does not have: widths
+    other than 128 and 256, or the store-behind epilogue with the 256-wide tile (no room in shared
+    memory)."""
+    check_sm90_variant(store_behind, tile_n)
+    if tile_n is None:
+        tile_n = 2 * TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
+    if along_m is None:
+        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == 2 * TILE_N)
+    if store_behind is None:
+        store_behind = store_behind_epilogue(k) and tile_n == TILE_N
+    return bool(along_m), bool(store_behind), tile_n
 
 
 def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False) -> bool:

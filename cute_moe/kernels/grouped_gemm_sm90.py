@@ -15,7 +15,8 @@ Pipeline (persistent: one CTA per SM, 384 threads, clusters of 2 CTAs; schedule 
 from the shapes by ``cluster_along_m``:
 * pairs along N (default; ``tile_schedule``): N tiles 2j and 2j + 1 of one M tile, N fastest.
   Each CTA loads half of the A tile and multicasts it to both.
-* pairs along M (prefill MoE: long K, 2-6 M tiles per expert; ``pair_tile_schedule``): M tiles
+* pairs along M (prefill MoE: long K, 2-6 M tiles per expert, 1-6 with the 256-wide tile;
+  ``pair_tile_schedule``): M tiles
   2i and 2i + 1 of one N tile, in bands of ``PAIRS_PER_BAND`` pairs.  When both are expert
   ``e``'s, each CTA loads half of the B tile and multicasts it to both, so that the expert's
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
@@ -42,7 +43,7 @@ has room for 4 stages only and no store-behind epilogue, and its math goes by ha
   read nothing from global memory at all (a lookup between visits idled the tensor cores).
   Both producer warps look up the next visit's expert right after issuing the current
   visit's first K block.
-* warp groups 1-2 (math, 64 rows each, ``QGMMA.64x128x32`` x 4 per K block), with
+* warp groups 1-2 (math, 64 rows each, ``QGMMA.64x128x32`` x 4 per K block and 128 columns), with
   registers moved from the producer group (40) to them (232).  Two temporary
   accumulators alternate: K block ``j + 1``'s WGMMAs are issued before K block
   ``j``'s are waited for (``wait_group(1)``), so the promotion's FFMAs of one block
@@ -84,15 +85,15 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, cluster_along_m,
+    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, check_sm90_variant,
     expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales, pair_launch_grid, pair_schedule,
-    valid_tiles, visit_coords, visit_expert, wide_tile,
+    sm90_launch_config, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
-# 2 x 8 KB = 211 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile,
-# 195 KB.  The 128 x 256 tile: 4 x (16 KB + 32 KB + 532 B) + 2 x 8 KB = 210 KB (no room for the
-# store-behind epilogue's 64 KB beside enough stages).
+# 2 x 8 KB, about 212 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile,
+# about 195 KB.  The 128 x 256 tile: 4 x (16 KB + 32 KB + 532 B) + 2 x 8 KB, about 211 KB (no room
+# for the store-behind epilogue's 64 KB beside enough stages).  Exact sizes: ``dynamic_smem_bytes``.
 STAGES, STORE_BEHIND_STAGES, WIDE_STAGES = 6, 5, 4
 EPI_N = 32
 EPI_BUFFERS = 2
@@ -154,10 +155,7 @@ class GroupedGemmFp8Sm90:
         self.store_behind = store_behind
         # tile_n: 128, or 256 (WIDE_TILE_N) run as two 128-wide halves through one temporary
         # accumulator (``wide_k_block``), whose A and B tiles cost 25% fewer operand bytes per FLOP.
-        if tile_n not in (TILE_N, WIDE_TILE_N):
-            raise ValueError(f"tile_n must be {TILE_N} or {WIDE_TILE_N}, got {tile_n}")
-        if store_behind and tile_n != TILE_N:
-            raise ValueError(f"the store-behind epilogue needs tile_n={TILE_N} (shared memory), got {tile_n}")
+        check_sm90_variant(store_behind, tile_n)
         self.tile_n = tile_n
         self.n_halves = tile_n // WGMMA_N
         if store_behind:
@@ -169,9 +167,14 @@ class GroupedGemmFp8Sm90:
         # At K = 2048 (w2) and with pairs along M, whole tiles were as quick or quicker.
         self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
         self.epi_buffers = tile_n // EPI_N if store_behind else EPI_BUFFERS
-        self.dynamic_smem_bytes = self.stages * (TILE_M * TILE_K + tile_n * TILE_K + 4 * TILE_M + 4 * self.n_halves + 12) + (
-            self.epi_buffers * TILE_M * EPI_N * 2
-        )  # fmt: skip
+        # SharedStorage's size (asserted where it is declared): each field at its alignment, the whole
+        # rounded up to the largest (1024 B, the swizzled tiles').
+        offset = 0
+        for size, align in ((8 * 2 * self.stages, 8), (4 * TILE_M * self.stages, 16), (4 * self.n_halves * self.stages, 16),
+                            (4 * 3 * self.stages, 16), (TILE_M * TILE_K * self.stages, 1024),
+                            (tile_n * TILE_K * self.stages, 1024), (self.epi_buffers * TILE_M * EPI_N * 2, 1024)):  # fmt: skip
+            offset = -(-offset // align) * align + size
+        self.dynamic_smem_bytes = -(-offset // 1024) * 1024
 
     def a_box_layout(self, sA_layout, rows: int):
         """The first ``rows`` rows of each A stage (``rows`` a multiple of 8: whole swizzle atoms), as
@@ -241,6 +244,8 @@ class GroupedGemmFp8Sm90:
             sB: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sB_layout)], 1024]
             sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sC_layout)], 1024]
 
+        assert SharedStorage.size_in_bytes() == self.dynamic_smem_bytes, (
+            SharedStorage.size_in_bytes(), self.dynamic_smem_bytes)  # fmt: skip
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, mSA, mSB,
                     mOff, mCnt, mC).launch(  # fmt: skip
@@ -731,14 +736,6 @@ def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: 
     return compile_kernel(kernel, mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1), arch=arch, keep_cubin=keep_cubin)
 
 
-def store_behind_epilogue(k: int) -> bool:
-    """The store-behind epilogue for short K loops (at most 16 K blocks), where the epilogue is a
-    tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes -3.4 to -3.8%,
-    decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage less costs
-    +1 to +4% on contiguous and routed shapes (it gains 1-3% only at decode-like sizes)."""
-    return k <= 16 * TILE_K
-
-
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
                           along_m: bool | None = None, store_behind: bool | None = None,
                           tile_n: int | None = None):  # fmt: skip
@@ -749,16 +746,11 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.
     ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored).  ``along_m``,
     ``store_behind``, ``tile_n``: the cluster direction, the epilogue and the tile's width
-    (``cluster_along_m``, ``store_behind_epilogue`` and ``wide_tile`` of the shapes when None; tests
-    and benchmarks force either).  The 256-wide tile has no store-behind epilogue."""
+    (``sm90_launch_config``: chosen from the shapes when None; tests and benchmarks force them).
+    The 256-wide tile has no store-behind epilogue."""
     has_counts = expert_counts is not None
-    m_cap, num_experts, k = a.shape[0], b.shape[0], a.shape[1]
-    if tile_n is None:
-        tile_n = WIDE_TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
-    if along_m is None:
-        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N)
-    if store_behind is None:
-        store_behind = store_behind_epilogue(k) and tile_n == TILE_N
+    along_m, store_behind, tile_n = sm90_launch_config(a.shape[0], b.shape[0], a.shape[1], has_counts, along_m,
+                                                       store_behind, tile_n)  # fmt: skip
     key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind, tile_n)
     if along_m:
         grid_fn = functools.partial(pair_launch_grid, tile_n=tile_n)
@@ -776,7 +768,7 @@ def inspect_variants(arch: str):
     for along_m, store_behind, counts, tile_n in ((False, False, False, TILE_N), (False, False, True, TILE_N),
                                                   (True, False, True, TILE_N), (False, True, True, TILE_N),
                                                   (False, False, False, WIDE_TILE_N), (False, False, True, WIDE_TILE_N),
-                                                  (True, False, True, WIDE_TILE_N)):  # fmt: skip
+                                                  (True, False, False, WIDE_TILE_N), (True, False, True, WIDE_TILE_N)):  # fmt: skip
         kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind, tile_n)
         accumulators = "2 temporary accumulators" if tile_n == TILE_N else "2 halves through 1 temporary accumulator"
         name = (f"grouped_gemm_fp8[sm90, persistent, 128x{tile_n}x128, {kernel.stages} stages, {accumulators}, "
