@@ -521,7 +521,8 @@ def test_grouped_gemm_fp8_side_stream_and_cuda_graph(regime):
     cases = {"prefill": _prefill_graph_case, "prefill_pairs_m": lambda: _prefill_graph_case(64, 256, 4096, 384),
              "decode": _decode_graph_case}  # fmt: skip
     E, N, K, first, later = cases[regime]()
-    assert cluster_along_m(first.m_cap, E, K, wide_tile(first.m_cap, E, K, False)) == (regime == "prefill_pairs_m")
+    wide = wide_tile(first.m_cap, E, K, False)
+    assert cluster_along_m(first.m_cap, E, K, wide, has_counts=False) == (regime == "prefill_pairs_m")
     p = make_problem(E, N, K, first, seed=sum(map(ord, regime)))
     run_checked(p)  # compiles before capture
 

@@ -196,3 +196,10 @@ def test_cluster_direction_of_the_wide_tile():
     assert gs.cluster_along_m(m_cap(4096), 256, 7168, True) and not gs.cluster_along_m(m_cap(4096), 256, 7168)
     assert gs.cluster_along_m(m_cap(8192), 256, 7168, True) and not gs.cluster_along_m(m_cap(4096), 256, 2048, True)
     assert not gs.cluster_along_m(m_cap(2048), 256, 7168, True)
+    # Contiguous segments (no counts) of a few M tiles each pair along M at any expert count; long
+    # ones (G4 x 8192 rows) and expert-parallel slices' estimates (counts, 32 experts) do not.
+    assert gs.cluster_along_m(32 * 512, 32, 7168, True, has_counts=False)
+    assert not gs.cluster_along_m(32 * 512, 32, 7168, True) and not gs.cluster_along_m(32 * 512, 32, 7168)
+    assert not gs.cluster_along_m(4 * 8192, 4, 7168, True, has_counts=False)
+    assert gs.sm90_launch_config(32 * 512, 32, 7168, False) == (True, False, 256)
+    assert gs.sm90_launch_config(32 * 512, 32, 2048, False) == (False, True, 128)

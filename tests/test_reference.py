@@ -734,7 +734,7 @@ def test_fill_kv_cache_vs_naive(layout, with_v, D, Dv, g, fmt):
     # Whole caches compared bit for bit, so untouched slots must keep their poison bytes (and NaN scales).
     H, bs, nblk = 2, 4, 12
     q_lens, kv_lens = [3, 1, 5], [3, 7, 9]
-    cu = [0, 3, 4, 9]
+    cu = [sum(q_lens[:i]) for i in range(len(q_lens) + 1)]  # [0, 3, 4, 9]
     block_offsets = torch.randperm(nblk, generator=gen(80))[:9].reshape(3, 3).to(torch.int32)
     k_states = randn(9, H, D, seed=81, dtype=torch.bfloat16)
     v_states = randn(9, H, Dv, seed=82, dtype=torch.float16) if with_v else None

@@ -178,24 +178,26 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
     if tile_n is None:
         tile_n = 2 * TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
     if along_m is None:
-        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == 2 * TILE_N)
+        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == 2 * TILE_N, has_counts)
     if store_behind is None:
         store_behind = store_behind_epilogue(k) and tile_n == TILE_N
     return bool(along_m), bool(store_behind), tile_n
 
 
-def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False) -> bool:
+def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True) -> bool:
     """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
     the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
-    tiles of real rows (1 to 6 with the 256-wide tile, ``wide``).  There each expert's weights are
-    re-read from DRAM for each of its few M tiles, which bounds the kernel.  Same-run A/B on
-    DeepSeek-V3's w13 GEMM (uniform top-8 routing, bench/NOTES.md), 128 wide (session 7): T = 8192
-    -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T = 16384 -3 to -7%; neutral at T = 4096 (one real tile
-    per expert), +12% at T = 2048, +17% at T = 128, +2 to +6% on the K = 2048 w2 GEMM, on long
-    contiguous segments, and on EP8 slices (32 local experts, whose M_cap is sized for every routed
-    row, so the estimate cannot see their size).  256 wide (session 20): T = 4096 -11%, T = 8192
-    -7%; long contiguous segments neutral."""
-    if k < 4096 or num_experts < 64:
+    tiles of real rows (1 to 6 with the 256-wide tile, ``wide``; and then over any number of
+    experts on contiguous segments, ``has_counts=False``, whose M_cap cannot be an expert-parallel
+    slice's).  There each expert's weights are re-read from DRAM for each of its few M tiles, which
+    bounds the kernel.  Same-run A/B on DeepSeek-V3's w13 GEMM (uniform top-8 routing,
+    bench/NOTES.md), 128 wide (session 7): T = 8192 -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T =
+    16384 -3 to -7%; neutral at T = 4096 (one real tile per expert), +12% at T = 2048, +17% at T =
+    128, +2 to +6% on the K = 2048 w2 GEMM, on long contiguous segments, and on EP8 slices (32 local
+    experts, whose M_cap is sized for every routed row, so the estimate cannot see their size).
+    256 wide (session 20): T = 4096 -11%, T = 8192 -7%; contiguous G=32 x 512 rows (4 tiles per
+    expert) -2.4%, G=4 / G=8 (64 / 32 tiles) within 0.5% either way."""
+    if k < 4096 or (num_experts < 64 and (has_counts or not wide)):
         return False
     return (1 if wide else 2) <= real_tiles_per_expert(m_cap, num_experts) <= 6
 
