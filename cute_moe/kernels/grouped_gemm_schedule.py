@@ -13,7 +13,8 @@ device.  The expert of a tile is the number of segment ends at or below its firs
 sum).  Nothing about the routing is a compile-time constant: one binary serves every routing.
 
 That is the schedule of the sm100 kernel, and of the sm90 kernel on most shapes.  At prefill MoE
-sizes (``cluster_along_m``) the sm90 kernel's clusters lie along M instead (``pair_tile_schedule``):
+sizes (``cluster_along_m``, through ``sm90_launch_config``) the sm90 kernel's clusters lie along M
+instead (``pair_tile_schedule``):
 a cluster visits M tiles 2i and 2i + 1 of one N tile, and shares the weight tile between them (TMA
 multicast) when both lie in one expert; visits are numbered in bands of ``PAIRS_PER_BAND`` pairs,
 pairs fastest, so that an expert's M tiles run side by side.
@@ -135,11 +136,14 @@ def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
     accumulator) rather than 128-wide ones: where experts average at least one M tile of real rows
     (prefill).  Not on contiguous segments (no expert counts) at K <= 2048, where the 128-wide
-    tile's store-behind epilogue is as quick; and with expert counts not below 64 experts, where
-    M_cap may be an expert-parallel slice's, sized for every routed row (the estimate then sees up
-    to 8x the real rows), and where the pairs along M that the wide w13 GEMM needs do not apply.
+    tile's store-behind epilogue is as quick; nor with expert counts under 64 experts, where M_cap
+    may be an expert-parallel slice's, sized for every routed row (an EP8 slice of DeepSeek-V3's
+    256 experts: 8x the real rows), and where the pairs along M that the wide w13 GEMM needs do not
+    apply.  Slices of 64 or more experts (DeepSeek-V3 over EP2 or EP4) pass the guard with the same
+    overcount: at T = 1024-2048 they take the wide tile, paired along M, at under one real tile per
+    expert (not measured; ``cluster_along_m`` had the same blind spot before).
     Same-run A/Bs on the H200 (bench/NOTES.md, session 20), 256 wide (with ``cluster_along_m``'s
-    direction for it) against 128: DeepSeek-V3's routed w13 / w2 at T = 8192 -10 to -16% / -5 to
+    direction for it) against 128: DeepSeek-V3's routed w13 / w2 at T = 8192 -10 to -14% / -5 to
     -7%, at T = 4096 -4 to -7% / -5%; contiguous K = 7168 -3 to -6%; contiguous K = 2048 +0.5 to
     +2%; decode (T <= 1024, under one real tile per expert) +1.5 to +7% on w13, -2 to +7% on w2; EP8
     slices (32 of 256 experts) T = 512 to 8192: w13 +1 to +5%, w2 -3 to +4.5%."""
@@ -160,7 +164,7 @@ def store_behind_epilogue(k: int) -> bool:
 
 def check_sm90_variant(store_behind: bool | None, tile_n: int | None) -> None:
     """ValueError unless the sm90 kernel has this epilogue and tile width (None: not chosen yet)."""
-    if tile_n is not None and tile_n not in (TILE_N, 2 * TILE_N):
+    if tile_n is not None and (not isinstance(tile_n, int) or tile_n not in (TILE_N, 2 * TILE_N)):
         raise ValueError(f"cute_moe.grouped_gemm_fp8: tile_n must be {TILE_N} or {2 * TILE_N}, got {tile_n}")
     if store_behind and tile_n == 2 * TILE_N:
         raise ValueError(f"cute_moe.grouped_gemm_fp8: the store-behind epilogue needs tile_n={TILE_N} (shared "

@@ -12,11 +12,11 @@ scales (promotion in f32 by the CUDA cores, never in the tensor core's accumulat
 
 Pipeline (persistent: one CTA per SM, 384 threads, clusters of 2 CTAs; schedule in
 ``grouped_gemm_schedule``).  The cluster's direction is a compile-time choice, made per launch
-from the shapes by ``cluster_along_m``:
+from the shapes by ``sm90_launch_config`` (``cluster_along_m``):
 * pairs along N (default; ``tile_schedule``): N tiles 2j and 2j + 1 of one M tile, N fastest.
   Each CTA loads half of the A tile and multicasts it to both.
-* pairs along M (prefill MoE: long K, 2-6 M tiles per expert, 1-6 with the 256-wide tile;
-  ``pair_tile_schedule``): M tiles
+* pairs along M (prefill MoE: long K, >= 64 experts of 2-6 M tiles each, 1-6 with the 256-wide
+  tile, which also pairs contiguous segments of any expert count so; ``pair_tile_schedule``): M tiles
   2i and 2i + 1 of one N tile, in bands of ``PAIRS_PER_BAND`` pairs.  When both are expert
   ``e``'s, each CTA loads half of the B tile and multicasts it to both, so that the expert's
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
@@ -28,8 +28,8 @@ has room for 4 stages only and no store-behind epilogue, and its math goes by ha
 
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
-  load or by halves multicast within the cluster as above.  With expert counts (pairs along N,
-  K > 2048: the w13 GEMM) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that
+  load or by halves multicast within the cluster as above.  With expert counts, pairs along N and
+  no store-behind epilogue (the w13 GEMM, and the 256-wide w2) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that
   holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
