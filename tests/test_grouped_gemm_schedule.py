@@ -33,7 +33,7 @@ def _routings(rng):
     yield "zero_rows", [0] * E, rng.choice([0, 128, 4096])
 
 
-@pytest.mark.parametrize("tile_n", [gs.TILE_N, 2 * gs.TILE_N])
+@pytest.mark.parametrize("tile_n", [gs.TILE_N, gs.WIDE_TILE_N])
 @pytest.mark.parametrize("cluster_n", [1, 2])
 @pytest.mark.parametrize("seed", range(30))
 def test_schedule_covers_every_tile_once(seed, cluster_n, tile_n):
@@ -91,7 +91,7 @@ def test_prepare_a_scale_takes_only_mn_major():
             gs.prepare_a_scale(bad)
 
 
-@pytest.mark.parametrize("tile_n", [gs.TILE_N, 2 * gs.TILE_N])
+@pytest.mark.parametrize("tile_n", [gs.TILE_N, gs.WIDE_TILE_N])
 @pytest.mark.parametrize("band_pairs", [1, gs.PAIRS_PER_BAND])
 @pytest.mark.parametrize("seed", range(30))
 def test_pair_schedule_covers_every_tile_once(seed, band_pairs, tile_n):

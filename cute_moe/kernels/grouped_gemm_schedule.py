@@ -37,6 +37,7 @@ from cutlass import Float32, Int32
 from ..compiler import arch_of_device_index, fake_tensor
 
 TILE_M, TILE_N, TILE_K = 128, 128, 128
+WIDE_TILE_N = 2 * TILE_N  # the sm90 kernel's other tile width (prefill)
 ROW_ALIGNMENT = TILE_M  # segment lengths the kernels need (align's `alignment`)
 _LOOKUP_DEPTH = 8  # segment ends a lane loads at once in expert_of_row
 CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
@@ -164,9 +165,9 @@ def store_behind_epilogue(k: int) -> bool:
 
 def check_sm90_variant(store_behind: bool | None, tile_n: int | None) -> None:
     """ValueError unless the sm90 kernel has this epilogue and tile width (None: not chosen yet)."""
-    if tile_n is not None and (not isinstance(tile_n, int) or tile_n not in (TILE_N, 2 * TILE_N)):
-        raise ValueError(f"cute_moe.grouped_gemm_fp8: tile_n must be {TILE_N} or {2 * TILE_N}, got {tile_n}")
-    if store_behind and tile_n == 2 * TILE_N:
+    if tile_n is not None and (not isinstance(tile_n, int) or tile_n not in (TILE_N, WIDE_TILE_N)):
+        raise ValueError(f"cute_moe.grouped_gemm_fp8: tile_n must be {TILE_N} or {WIDE_TILE_N}, got {tile_n}")
+    if store_behind and tile_n == WIDE_TILE_N:
         raise ValueError(f"cute_moe.grouped_gemm_fp8: the store-behind epilogue needs tile_n={TILE_N} (shared "
                          f"memory), got tile_n={tile_n}")  # fmt: skip
 
@@ -180,9 +181,9 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
     memory)."""
     check_sm90_variant(store_behind, tile_n)
     if tile_n is None:
-        tile_n = 2 * TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
+        tile_n = WIDE_TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
     if along_m is None:
-        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == 2 * TILE_N, has_counts)
+        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N, has_counts)
     if store_behind is None:
         store_behind = store_behind_epilogue(k) and tile_n == TILE_N
     return bool(along_m), bool(store_behind), tile_n

@@ -85,9 +85,9 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .grouped_gemm_schedule import (
-    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, can_implement, check_sm90_variant,
-    expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales, pair_launch_grid, pair_schedule,
-    sm90_launch_config, valid_tiles, visit_coords, visit_expert,
+    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, WIDE_TILE_N, can_implement,
+    check_sm90_variant, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
+    pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
@@ -97,9 +97,8 @@ from .grouped_gemm_schedule import (
 STAGES, STORE_BEHIND_STAGES, WIDE_STAGES = 6, 5, 4
 EPI_N = 32
 EPI_BUFFERS = 2
-# The WGMMA's N, and the columns of one B scale block: a wider tile runs as halves of this width.
+# The WGMMA's N, and the columns of one B scale block: the wide tile runs as halves of this width.
 WGMMA_N = 128
-WIDE_TILE_N = 2 * WGMMA_N
 _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
 _NUM_CONSUMER_WARPS = 8
