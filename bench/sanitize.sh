@@ -11,8 +11,9 @@
 #
 # What sessions 17 and 20 saw (bench/NOTES.md), on the cases named there:
 # - memcheck: 0 errors over this list, less the two E32_N256_K1536_empty cases of pairs_n-store_behind
-#   and pairs_m-store_wait, added after the run (session 17); the four tile256 cases, added in
-#   session 20, 0 errors on their own.
+#   and pairs_m-store_wait, added after the run (session 17); the four store_wait-tile256 cases,
+#   added in session 20, 0 errors on their own; the two store_behind-tile256 cases (session 21)
+#   not run under it yet.
 # - synccheck: 0 errors on the GEMM (counts, pairs along M, store-behind) and permute_quant's
 #   two launches; the other kernels were not run under it.
 # - racecheck, on the GEMM and permute_quant only: write-after-read reports on the sm90 GEMM's
@@ -48,6 +49,8 @@ cases=(
   "$G::test_grouped_gemm_fp8[E8_N384_K384_ragged-pairs_m-store_wait-tile256]"
   "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_wait-tile256-dsv3_w13_E8_ragged]"
   "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_m-store_wait-tile256-E10_N2112_K512_sparse_edge]"
+  "$G::test_grouped_gemm_fp8_with_expert_counts[pairs_n-store_behind-tile256-E10_N2112_K512_sparse_edge]"
+  "$G::test_grouped_gemm_fp8[E8_N384_K384_ragged-pairs_m-store_behind-tile256]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_token_scales_in_two_launches[ragged-True]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_two_launches_through_the_launch_function"
   "tests/test_gpu_permute_quant.py::test_permute_quant_h_not_a_multiple_of_1024"

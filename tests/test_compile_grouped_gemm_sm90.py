@@ -121,8 +121,8 @@ def test_sparse_epilogue_stores_bf16_pairs(report):
 
 
 def test_launcher_refuses_a_variant_it_does_not_have_before_any_launch():
-    """``tile_n`` other than 128 / 256, or 256 with the store-behind epilogue: ValueError on the CPU,
-    also where the launch would return early (no rows, no experts)."""
+    """``tile_n`` other than 128 / 256: ValueError on the CPU, also where the launch would return
+    early (no rows, no experts)."""
     import torch  # noqa: PLC0415
 
     gg = pytest.importorskip("cute_moe.kernels.grouped_gemm_sm90")
@@ -131,6 +131,6 @@ def test_launcher_refuses_a_variant_it_does_not_have_before_any_launch():
         b = torch.zeros(experts, 256, 256, dtype=torch.uint8)
         off = torch.zeros(experts + 1, dtype=torch.int32)
         a_scale, b_scale = torch.ones(2, m_cap).t(), torch.ones(experts, 2, 2)
-        for kw in ({"tile_n": 192}, {"tile_n": 256, "store_behind": True}):
+        for kw in ({"tile_n": 192}, {"tile_n": 256.0}):
             with pytest.raises(ValueError, match="tile_n"):
                 gg.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, off, **kw)

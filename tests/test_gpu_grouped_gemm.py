@@ -304,8 +304,8 @@ CASES = {
 # Every kernel variant on every case, forced: the cluster direction (pairs of N tiles sharing A, or
 # of M tiles sharing B, which the launch picks only for prefill MoE shapes), the epilogue (the
 # store-behind one, which it picks for K <= 2048) and the tile's width (256, in two halves, which it
-# picks for prefill; it has no store-behind epilogue).
-_FORCED = [(m, s, 128) for m in (False, True) for s in (False, True)] + [(m, False, 256) for m in (False, True)]
+# picks for prefill).
+_FORCED = [(m, s, n) for n in (128, 256) for m in (False, True) for s in (False, True)]
 VARIANTS = pytest.mark.parametrize(
     "variant",
     [{"along_m": m, "store_behind": s, "tile_n": n} for m, s, n in _FORCED],

@@ -173,17 +173,24 @@ def test_tile_width_heuristic():
 
 
 def test_sm90_launch_config():
-    """Forced choices are kept, the rest follow the shape rules, and a combination the kernel does not
-    have is refused, whatever the shapes (``test_compile_grouped_gemm_sm90``: before the launch's early
+    """Forced choices are kept, the rest follow the shape rules, and a width the kernel does not have
+    is refused, whatever the shapes (``test_compile_grouped_gemm_sm90``: before the launch's early
     return at M_cap = 0 or E = 0)."""
-    m_cap_8192 = -(-(8 * 8192 + 256 * 127) // 128) * 128
+    def m_cap(t, experts=256):
+        return -(-(8 * t + experts * 127) // 128) * 128
+
+    m_cap_8192 = m_cap(8192)
     assert gs.sm90_launch_config(m_cap_8192, 256, 7168, True) == (True, False, 256)
-    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True) == (False, False, 256)
+    # DeepSeek-V3's w2 (K = 2048) 256 wide stores behind from 1.5 real M tiles per expert (T = 8192), not at T = 4096.
+    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True) == (False, True, 256)
+    assert gs.sm90_launch_config(m_cap(16384), 256, 2048, True) == (False, True, 256)
+    assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True) == (False, False, 256)
     assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 128)
     assert gs.sm90_launch_config(128 + 128 * 127, 256, 7168, True) == (False, False, 128)  # decode, T = 16
-    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True, store_behind=True) == (False, True, 128)
+    assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True, store_behind=True) == (False, True, 256)
+    assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True, store_behind=False) == (False, False, 256)
     assert gs.sm90_launch_config(m_cap_8192, 256, 7168, True, along_m=False, tile_n=128) == (False, False, 128)
-    for kw in ({"tile_n": 192}, {"tile_n": 64}, {"tile_n": 256.0}, {"tile_n": 256, "store_behind": True}):
+    for kw in ({"tile_n": 192}, {"tile_n": 64}, {"tile_n": 256.0}):
         for m_cap in (0, m_cap_8192):
             with pytest.raises(ValueError, match="tile_n"):
                 gs.sm90_launch_config(m_cap, 256, 7168, True, **kw)

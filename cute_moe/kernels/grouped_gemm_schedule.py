@@ -43,6 +43,7 @@ _LOOKUP_DEPTH = 8  # segment ends a lane loads at once in expert_of_row
 CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share A by TMA multicast
 CLUSTER_M = 2  # sm90 at prefill MoE shapes: CTAs on M tiles 2i, 2i + 1 of one N tile, sharing B when one expert
 PAIRS_PER_BAND = 4  # sm90, prefill: M-tile pairs per band of the visit order (8 M tiles)
+WIDE_STORE_BEHIND_TILES = 1.5  # sm90: real M tiles per expert from which the 256-wide tile stores behind
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1, tile_n: int = TILE_N) -> int:
@@ -155,37 +156,39 @@ def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     return real_tiles_per_expert(m_cap, num_experts) >= 1
 
 
-def store_behind_epilogue(k: int) -> bool:
+def store_behind_epilogue(k: int, wide: bool = False, tiles_per_expert: float = float("inf")) -> bool:
     """The sm90 kernel's store-behind epilogue for short K loops (at most 16 K blocks), where the
     epilogue is a tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes
     -3.4 to -3.8%, decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage
-    less costs +1 to +4% on contiguous and routed shapes (it gains 1-3% only at decode-like sizes)."""
-    return k <= 16 * TILE_K
+    less costs +1 to +4% on contiguous and routed shapes (it gains 1-3% only at decode-like sizes).
+    The 256-wide tile (``wide``) has room for it beside 3 stages only (4 without), and takes it
+    where experts average at least ``WIDE_STORE_BEHIND_TILES`` real M tiles (``tiles_per_expert``):
+    DeepSeek-V3's routed w2 GEMM at T = 8192 (2 tiles) -6.2% (median -4.6%), at T = 4096 (1 tile)
+    +1.0% (session 21); there the bf16 epilogue is ~11% of the GEMM's time when not behind."""
+    if k > 16 * TILE_K:
+        return False
+    return not wide or tiles_per_expert >= WIDE_STORE_BEHIND_TILES
 
 
-def check_sm90_variant(store_behind: bool | None, tile_n: int | None) -> None:
-    """ValueError unless the sm90 kernel has this epilogue and tile width (None: not chosen yet)."""
+def check_sm90_variant(tile_n: int | None) -> None:
+    """ValueError unless the sm90 kernel has this tile width (None: not chosen yet)."""
     if tile_n is not None and (not isinstance(tile_n, int) or tile_n not in (TILE_N, WIDE_TILE_N)):
         raise ValueError(f"cute_moe.grouped_gemm_fp8: tile_n must be {TILE_N} or {WIDE_TILE_N}, got {tile_n}")
-    if store_behind and tile_n == WIDE_TILE_N:
-        raise ValueError(f"cute_moe.grouped_gemm_fp8: the store-behind epilogue needs tile_n={TILE_N} (shared "
-                         f"memory), got tile_n={tile_n}")  # fmt: skip
 
 
 def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, along_m: bool | None = None,
                        store_behind: bool | None = None, tile_n: int | None = None) -> tuple[bool, bool, int]:  # fmt: skip
     """(along_m, store_behind, tile_n) of an sm90 launch: each one given (tests and benchmarks force
-    them) or chosen from the shapes (``wide_tile``, then ``cluster_along_m`` for that width and
-    ``store_behind_epilogue``).  ValueError for a combination the kernel does not have: widths
-    other than 128 and 256, or the store-behind epilogue with the 256-wide tile (no room in shared
-    memory)."""
-    check_sm90_variant(store_behind, tile_n)
+    them) or chosen from the shapes (``wide_tile``, then ``cluster_along_m`` and
+    ``store_behind_epilogue`` for that width).  ValueError for a width other than 128 and 256."""
+    check_sm90_variant(tile_n)
+    wide = wide_tile(m_cap, num_experts, k, has_counts)
     if tile_n is None:
-        tile_n = WIDE_TILE_N if wide_tile(m_cap, num_experts, k, has_counts) and not store_behind else TILE_N
+        tile_n = WIDE_TILE_N if wide else TILE_N
     if along_m is None:
         along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N, has_counts)
     if store_behind is None:
-        store_behind = store_behind_epilogue(k) and tile_n == TILE_N
+        store_behind = store_behind_epilogue(k, tile_n == WIDE_TILE_N, real_tiles_per_expert(m_cap, num_experts))
     return bool(along_m), bool(store_behind), tile_n
 
 

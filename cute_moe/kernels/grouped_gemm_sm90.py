@@ -24,13 +24,13 @@ from the shapes by ``sm90_launch_config`` (``cluster_along_m``):
 
 The tile's width is the other compile-time choice (``wide_tile``): 128 x 128, or 128 x 256 at
 prefill sizes.  The wide tile costs a quarter fewer operand bytes per FLOP through L2 and TMA; it
-has room for 4 stages only and no store-behind epilogue, and its math goes by halves (below).
+has room for 4 stages only (3 beside the store-behind epilogue), and its math goes by halves (below).
 
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.  With expert counts, pairs along N and
-  no store-behind epilogue (the w13 GEMM, and the 256-wide w2) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that
-  holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
+  no store-behind epilogue (the w13 GEMM, and the 256-wide w2 at T <= 4096) only A's first 16, 64 or
+  128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
@@ -55,7 +55,8 @@ has room for 4 stages only and no store-behind epilogue, and its math goes by ha
   out by TMA stores, which clip columns past N; the producer warps meanwhile run
   ahead into the next tile.  For short K loops (K <= 2048, ``store_behind_epilogue``)
   the whole tile goes to shared memory at once and its stores drain during the next
-  tile's K loop; otherwise two sub-tile buffers alternate, each reused once read.
+  tile's K loop (the 256-wide tile: only where experts average 1.5 real M tiles or more, as it
+  costs a stage); otherwise two sub-tile buffers alternate, each reused once read.
   With ``expert_counts``, a warp group whose 64 rows of the tile are all past the
   segment's count waits for and frees every stage without issuing math, and a tile
   with at most ``SPARSE_ROWS`` = 64 real rows (decode; a segment's last tile) skips
@@ -92,9 +93,9 @@ from .grouped_gemm_schedule import (
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
 # 2 x 8 KB, about 212 KB of shared memory; with the store-behind epilogue 5 stages and the whole tile,
-# about 195 KB.  The 128 x 256 tile: 4 x (16 KB + 32 KB + 532 B) + 2 x 8 KB, about 211 KB (no room
-# for the store-behind epilogue's 64 KB beside enough stages).  Exact sizes: ``dynamic_smem_bytes``.
-STAGES, STORE_BEHIND_STAGES, WIDE_STAGES = 6, 5, 4
+# about 195 KB.  The 128 x 256 tile: 4 x (16 KB + 32 KB + 532 B) + 2 x 8 KB, about 211 KB; with the
+# store-behind epilogue's 64 KB, 3 stages (about 210 KB).  Exact sizes: ``dynamic_smem_bytes``.
+STAGES, STORE_BEHIND_STAGES, WIDE_STAGES, WIDE_STORE_BEHIND_STAGES = 6, 5, 4, 3
 EPI_N = 32
 EPI_BUFFERS = 2
 # The WGMMA's N, and the columns of one B scale block: the wide tile runs as halves of this width.
@@ -149,16 +150,16 @@ class GroupedGemmFp8Sm90:
         # are one expert's (prefill MoE); else on N tiles 2j, 2j + 1 of one M tile, sharing the A tile.
         self.along_m = along_m
         # store_behind: the epilogue writes the whole bf16 tile to shared memory and leaves its TMA
-        # stores to drain during the next tile's K loop (one K-block stage less makes room); else the
+        # stores to drain during the next tile's K loop (one K-block stage less makes room: 5 or 3); else the
         # math warps wait for each 128 x 32 sub-tile's store before reusing its buffer.
         self.store_behind = store_behind
         # tile_n: 128, or 256 (WIDE_TILE_N) run as two 128-wide halves through one temporary
         # accumulator (``wide_k_block``), whose A and B tiles cost 25% fewer operand bytes per FLOP.
-        check_sm90_variant(store_behind, tile_n)
+        check_sm90_variant(tile_n)
         self.tile_n = tile_n
         self.n_halves = tile_n // WGMMA_N
         if store_behind:
-            self.stages = STORE_BEHIND_STAGES
+            self.stages = STORE_BEHIND_STAGES if tile_n == TILE_N else WIDE_STORE_BEHIND_STAGES
         else:
             self.stages = STAGES if tile_n == TILE_N else WIDE_STAGES
         # A boxes only where they paid in a same-run A/B (bench/NOTES.md, session 15): pairs along N
@@ -745,8 +746,7 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.
     ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored).  ``along_m``,
     ``store_behind``, ``tile_n``: the cluster direction, the epilogue and the tile's width
-    (``sm90_launch_config``: chosen from the shapes when None; tests and benchmarks force them).
-    The 256-wide tile has no store-behind epilogue."""
+    (``sm90_launch_config``: chosen from the shapes when None; tests and benchmarks force them)."""
     has_counts = expert_counts is not None
     along_m, store_behind, tile_n = sm90_launch_config(a.shape[0], b.shape[0], a.shape[1], has_counts, along_m,
                                                        store_behind, tile_n)  # fmt: skip
@@ -767,7 +767,8 @@ def inspect_variants(arch: str):
     for along_m, store_behind, counts, tile_n in ((False, False, False, TILE_N), (False, False, True, TILE_N),
                                                   (True, False, True, TILE_N), (False, True, True, TILE_N),
                                                   (False, False, False, WIDE_TILE_N), (False, False, True, WIDE_TILE_N),
-                                                  (True, False, False, WIDE_TILE_N), (True, False, True, WIDE_TILE_N)):  # fmt: skip
+                                                  (True, False, False, WIDE_TILE_N), (True, False, True, WIDE_TILE_N),
+                                                  (False, True, True, WIDE_TILE_N)):  # fmt: skip
         kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind, tile_n)
         accumulators = "2 temporary accumulators" if tile_n == TILE_N else "2 halves through 1 temporary accumulator"
         name = (f"grouped_gemm_fp8[sm90, persistent, 128x{tile_n}x128, {kernel.stages} stages, {accumulators}, "
