@@ -166,7 +166,9 @@ def test_tile_width_heuristic():
         assert all(gs.wide_tile(m_cap(t), 256, k, True) for t in (4096, 8192, 16384))
         assert not any(gs.wide_tile(m_cap(t), 256, k, True) for t in (1, 16, 128, 1024, 2048))
     assert gs.wide_tile(4 * 8192, 4, 7168, False) and gs.wide_tile(32 * 512, 32, 7168, False)
-    assert not gs.wide_tile(4 * 8192, 4, 2048, False) and not gs.wide_tile(32 * 512, 32, 2048, False)
+    # Contiguous K <= 2048: wide where it stores behind (1.5 real M tiles per expert), not below.
+    assert gs.wide_tile(4 * 8192, 4, 2048, False) and gs.wide_tile(32 * 512, 32, 2048, False)
+    assert not gs.wide_tile(32 * 256, 32, 2048, False) and gs.wide_tile(32 * 256, 32, 7168, False)
     assert not gs.wide_tile(0, 0, 7168, True) and not gs.wide_tile(128, 1, 7168, False)
     # With counts, under 64 experts M_cap may be an EP slice's (every routed row): 128 wide.
     assert not any(gs.wide_tile(m_cap(t, 32), 32, k, True) for t in (512, 4096, 8192) for k in (7168, 2048))
@@ -185,15 +187,30 @@ def test_sm90_launch_config():
     assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True) == (False, True, 256)
     assert gs.sm90_launch_config(m_cap(16384), 256, 2048, True) == (False, True, 256)
     assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True) == (False, False, 256)
-    assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 128)
+    assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 256)
     assert gs.sm90_launch_config(128 + 128 * 127, 256, 7168, True) == (False, False, 128)  # decode, T = 16
     assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True, store_behind=True) == (False, True, 256)
     assert gs.sm90_launch_config(m_cap_8192, 256, 2048, True, store_behind=False) == (False, False, 256)
     assert gs.sm90_launch_config(m_cap_8192, 256, 7168, True, along_m=False, tile_n=128) == (False, False, 128)
     for kw in ({"tile_n": 192}, {"tile_n": 64}, {"tile_n": 256.0}):
-        for m_cap in (0, m_cap_8192):
+        for rows in (0, m_cap_8192):
             with pytest.raises(ValueError, match="tile_n"):
-                gs.sm90_launch_config(m_cap, 256, 7168, True, **kw)
+                gs.sm90_launch_config(rows, 256, 7168, True, **kw)
+
+
+def test_store_behind_rule_of_the_wide_tile():
+    """K <= 2048 only; the 256-wide tile from 1.5 real M tiles per expert (DeepSeek-V3's w2 from T = 6144)."""
+    def m_cap(t, experts=256):
+        return -(-(8 * t + experts * 127) // 128) * 128
+
+    assert gs.store_behind_epilogue(2048, False, 0.0) and gs.store_behind_epilogue(2048, True, 1.5)
+    assert not gs.store_behind_epilogue(2048, True, 1.49) and not gs.store_behind_epilogue(2048 + 128, False, 9.0)
+    assert not gs.store_behind_epilogue(7168, True, 9.0)
+    assert gs.sm90_launch_config(m_cap(6144), 256, 2048, True) == (False, True, 256)
+    assert gs.sm90_launch_config(m_cap(6080), 256, 2048, True) == (False, False, 256)
+    # A forced width takes the rule for that width: 256 at K = 7168 never stores behind, 128 at K = 2048 always.
+    assert gs.sm90_launch_config(m_cap(16384), 256, 7168, True, tile_n=256)[1:] == (False, 256)
+    assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True, tile_n=128)[1:] == (True, 128)
 
 
 def test_cluster_direction_of_the_wide_tile():
@@ -210,4 +227,4 @@ def test_cluster_direction_of_the_wide_tile():
     assert not gs.cluster_along_m(32 * 512, 32, 7168, True) and not gs.cluster_along_m(32 * 512, 32, 7168)
     assert not gs.cluster_along_m(4 * 8192, 4, 7168, True, has_counts=False)
     assert gs.sm90_launch_config(32 * 512, 32, 7168, False) == (True, False, 256)
-    assert gs.sm90_launch_config(32 * 512, 32, 2048, False) == (False, True, 128)
+    assert gs.sm90_launch_config(32 * 512, 32, 2048, False) == (False, True, 256)

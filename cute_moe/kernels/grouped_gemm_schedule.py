@@ -137,8 +137,11 @@ def real_tiles_per_expert(m_cap: int, num_experts: int) -> float:
 def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
     accumulator) rather than 128-wide ones: where experts average at least one M tile of real rows
-    (prefill).  Not on contiguous segments (no expert counts) at K <= 2048, where the 128-wide
-    tile's store-behind epilogue is as quick; nor with expert counts under 64 experts, where M_cap
+    (prefill).  On contiguous segments (no expert counts) at K <= 2048 only from
+    ``WIDE_STORE_BEHIND_TILES`` real M tiles per expert, where it stores behind: without that
+    epilogue it was 0.5 to 2% slower than the 128-wide tile's store-behind (session 20), with it
+    3.3% quicker on G4 / G8 x 7168x2048 and 1.7% on G32 x M512 (session 22).  Nor with expert counts
+    under 64 experts, where M_cap
     may be an expert-parallel slice's, sized for every routed row (an EP8 slice of DeepSeek-V3's
     256 experts: 8x the real rows), and where the pairs along M that the wide w13 GEMM needs do not
     apply.  Slices of 64 or more experts (DeepSeek-V3 over EP2 or EP4) pass the guard with the same
@@ -150,13 +153,13 @@ def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
     +2%; decode (T <= 1024, under one real tile per expert) +1.5 to +7% on w13, -2 to +7% on w2; EP8
     slices (32 of 256 experts) T = 512 to 8192: w13 +1 to +5%, w2 -3 to +4.5%."""
     if k <= 16 * TILE_K and not has_counts:
-        return False
+        return real_tiles_per_expert(m_cap, num_experts) >= WIDE_STORE_BEHIND_TILES
     if has_counts and num_experts < 64:
         return False
     return real_tiles_per_expert(m_cap, num_experts) >= 1
 
 
-def store_behind_epilogue(k: int, wide: bool = False, tiles_per_expert: float = float("inf")) -> bool:
+def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float) -> bool:
     """The sm90 kernel's store-behind epilogue for short K loops (at most 16 K blocks), where the
     epilogue is a tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes
     -3.4 to -3.8%, decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage
@@ -164,7 +167,10 @@ def store_behind_epilogue(k: int, wide: bool = False, tiles_per_expert: float = 
     The 256-wide tile (``wide``) has room for it beside 3 stages only (4 without), and takes it
     where experts average at least ``WIDE_STORE_BEHIND_TILES`` real M tiles (``tiles_per_expert``):
     DeepSeek-V3's routed w2 GEMM at T = 8192 (2 tiles) -6.2% (median -4.6%), at T = 4096 (1 tile)
-    +1.0% (session 21); there the bf16 epilogue is ~11% of the GEMM's time when not behind."""
+    +1.0% (session 21); there the bf16 epilogue is ~11% of the GEMM's time when not behind.  The
+    rule holds for any wide GEMM at K <= 2048, e.g. Qwen3-30B-A3B's w13 (K = 2048) from T = 3072
+    (measured for it in session 22: bench/NOTES.md), and ``tiles_per_expert`` overcounts on
+    expert-parallel slices of 64 or more experts (``real_tiles_per_expert``)."""
     if k > 16 * TILE_K:
         return False
     return not wide or tiles_per_expert >= WIDE_STORE_BEHIND_TILES

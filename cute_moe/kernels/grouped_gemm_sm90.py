@@ -29,8 +29,8 @@ has room for 4 stages only (3 beside the store-behind epilogue), and its math go
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.  With expert counts, pairs along N and
-  no store-behind epilogue (the w13 GEMM, and the 256-wide w2 at T <= 4096) only A's first 16, 64 or
-  128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
+  no store-behind epilogue (DeepSeek-V3's w13 GEMM, and its 256-wide w2 below 1.5 real M tiles per
+  expert, T < 6144) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
@@ -162,9 +162,11 @@ class GroupedGemmFp8Sm90:
             self.stages = STORE_BEHIND_STAGES if tile_n == TILE_N else WIDE_STORE_BEHIND_STAGES
         else:
             self.stages = STAGES if tile_n == TILE_N else WIDE_STAGES
-        # A boxes only where they paid in a same-run A/B (bench/NOTES.md, session 15): pairs along N
-        # with a long K loop (not store_behind), i.e. the w13 GEMM from decode to routed T = 4096.
-        # At K = 2048 (w2) and with pairs along M, whole tiles were as quick or quicker.
+        # A boxes with expert counts and pairs along N, unless store_behind: measured against whole
+        # tiles (bench/NOTES.md, session 15) on the w13 GEMM from decode to routed T = 4096, where they
+        # paid; with pairs along M and under store_behind (128 wide at K <= 2048, session 15) whole
+        # tiles were as quick or quicker.  The 256-wide tile at K <= 2048 keeps them below
+        # WIDE_STORE_BEHIND_TILES real M tiles per expert, where it does not store behind.
         self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
         self.epi_buffers = tile_n // EPI_N if store_behind else EPI_BUFFERS
         # SharedStorage's size (asserted where it is declared): each field at its alignment, the whole
@@ -686,7 +688,7 @@ class GroupedGemmFp8Sm90:
     @cute.jit
     def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
         """The tile in bf16: registers -> shared memory (stmatrix, 128 x 32 sub-tiles) -> TMA stores
-        issued by one warp.  Store-behind: the whole tile, then its four stores, waited for only
+        issued by one warp.  Store-behind: the whole tile, then its tile_n / 32 stores, waited for only
         before the next tile's epilogue rewrites the buffers (a K loop later: no wait in practice).
         Else two buffers, each reused once its sub-tile's store has read it."""
         copy_r2s, tRS_sC, tRS_rAcc, sub_shape, sC = epi
@@ -768,7 +770,7 @@ def inspect_variants(arch: str):
                                                   (True, False, True, TILE_N), (False, True, True, TILE_N),
                                                   (False, False, False, WIDE_TILE_N), (False, False, True, WIDE_TILE_N),
                                                   (True, False, False, WIDE_TILE_N), (True, False, True, WIDE_TILE_N),
-                                                  (False, True, True, WIDE_TILE_N)):  # fmt: skip
+                                                  (False, True, False, WIDE_TILE_N), (False, True, True, WIDE_TILE_N)):  # fmt: skip
         kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind, tile_n)
         accumulators = "2 temporary accumulators" if tile_n == TILE_N else "2 halves through 1 temporary accumulator"
         name = (f"grouped_gemm_fp8[sm90, persistent, 128x{tile_n}x128, {kernel.stages} stages, {accumulators}, "
