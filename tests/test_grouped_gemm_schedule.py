@@ -227,4 +227,8 @@ def test_cluster_direction_of_the_wide_tile():
     assert not gs.cluster_along_m(32 * 512, 32, 7168, True) and not gs.cluster_along_m(32 * 512, 32, 7168)
     assert not gs.cluster_along_m(4 * 8192, 4, 7168, True, has_counts=False)
     assert gs.sm90_launch_config(32 * 512, 32, 7168, False) == (True, False, 256)
-    assert gs.sm90_launch_config(32 * 512, 32, 2048, False) == (False, True, 256)
+    # Contiguous K = 2048 (256 wide, store-behind) too, from K = 2048 only; G4 x 8192 rows stays along N.
+    assert gs.sm90_launch_config(32 * 512, 32, 2048, False) == (True, True, 256)
+    assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 256)
+    assert not gs.cluster_along_m(32 * 512, 32, 1536, True, has_counts=False)
+    assert not gs.cluster_along_m(32 * 512, 32, 2048, False, has_counts=False)

@@ -210,8 +210,13 @@ def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, ha
     128, +2 to +6% on the K = 2048 w2 GEMM, on long contiguous segments, and on EP8 slices (32 local
     experts, whose M_cap is sized for every routed row, so the estimate cannot see their size).
     256 wide (session 20): T = 4096 -11%, T = 8192 -7%; contiguous G=32 x 512 rows (4 tiles per
-    expert) -2.4%, G=4 / G=8 (64 / 32 tiles) within 0.5% either way."""
-    if k < 4096 or (num_experts < 64 and (has_counts or not wide)):
+    expert) -2.4%, G=4 / G=8 (64 / 32 tiles) within 0.5% either way.  Contiguous and 256 wide from
+    K = 2048 (session 22, with the store-behind epilogue): G=32 x 512 rows 7168x2048 -0.6 / -0.9% in
+    two runs, G=4 (64 tiles, past the bound) +1.2 to +1.9%."""
+    if has_counts or not wide:
+        if k < 4096 or num_experts < 64:
+            return False
+    elif k < 2048:
         return False
     return (1 if wide else 2) <= real_tiles_per_expert(m_cap, num_experts) <= 6
 

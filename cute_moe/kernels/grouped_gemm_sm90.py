@@ -770,7 +770,8 @@ def inspect_variants(arch: str):
                                                   (True, False, True, TILE_N), (False, True, True, TILE_N),
                                                   (False, False, False, WIDE_TILE_N), (False, False, True, WIDE_TILE_N),
                                                   (True, False, False, WIDE_TILE_N), (True, False, True, WIDE_TILE_N),
-                                                  (False, True, False, WIDE_TILE_N), (False, True, True, WIDE_TILE_N)):  # fmt: skip
+                                                  (False, True, False, WIDE_TILE_N), (True, True, False, WIDE_TILE_N),
+                                                  (False, True, True, WIDE_TILE_N)):  # fmt: skip
         kernel = GroupedGemmFp8Sm90(True, counts, along_m, store_behind, tile_n)
         accumulators = "2 temporary accumulators" if tile_n == TILE_N else "2 halves through 1 temporary accumulator"
         name = (f"grouped_gemm_fp8[sm90, persistent, 128x{tile_n}x128, {kernel.stages} stages, {accumulators}, "
