@@ -42,13 +42,15 @@ rows' bf16 output (padding rows excluded, as in the FLOPs; before session 14 the
 ``w GB/s`` is the touched weights alone (the decode figure of merit, against the copy bandwidth
 measured in the same run).  Time: median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls
-(``Timer.kernel_us``) for a peer that cannot be captured.
+(``Timer.kernel_us``) for a peer that cannot be captured.  Random data (routing included) is
+seeded by the shape's name: the same in every run and process.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +103,14 @@ def shapes() -> list[Shape]:
     return out
 
 
+def seed_from(name: str) -> None:
+    """Seed torch's CPU and CUDA generators from ``name``, so that a shape's (or a model's) random
+    data, its routing included, is the same in every run and process: A/Bs across processes and
+    sessions then compare the same problem (bench_moe's T=128 row once moved by 14% between runs
+    with its routing)."""
+    torch.manual_seed(zlib.crc32(name.encode()))
+
+
 def _rand_fp8(*shape: int) -> torch.Tensor:
     """Random e4m3 codes, generated in chunks along dim 0 (E=256 x 4096 x 7168 would need 30 GB of f32)."""
     out = torch.empty(*shape, dtype=FP8, device="cuda")
@@ -140,6 +150,7 @@ class Problem:
 
 
 def make_problem(s: Shape) -> Problem:
+    seed_from(s.name)
     if s.kind in ("decode", "routed"):
         ids = torch.rand(s.tokens, s.E, device="cuda").argsort(dim=1)[:, :DSV3_TOPK].to(torch.int32)
         offsets, row_to_token, _, counts_t = align_ref(ids, s.E, BLOCK)

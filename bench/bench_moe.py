@@ -42,7 +42,8 @@ scales; bf16 for the bf16 peer): ``w GB/s`` is the decode figure of merit, compa
 device-to-device copy bandwidth measured in the same run. The roofline's bytes = touched weights +
 x read + out written (the minimum traffic of a fully fused layer). Time: median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls when capture fails.
-``--budget-s`` bounds the wall time: the remaining (model, T) pairs are skipped, and say so.
+Weights (and DeepSeek-V3's score bias) are seeded by the model's name and each T's inputs by T:
+every run routes the same tokens to the same experts.  ``--budget-s`` bounds the wall time: the remaining (model, T) pairs are skipped, and say so.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 if os.path.dirname(_HERE) not in sys.path:  # a checkout without pip install -e
     sys.path.insert(1, os.path.dirname(_HERE))
-from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, _time  # noqa: E402
+from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, _time, seed_from  # noqa: E402
 from bench_io import default_json, write_json  # noqa: E402
 
 BLOCK = 128
@@ -511,6 +512,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             rows += [{"model": m.name, "T": t, "impl": "*", "us": None, "note": "skipped: --budget-s spent"}
                      for t in tokens]  # fmt: skip
             continue
+        seed_from(m.name)  # the same weights, score bias and so routing in every run
         try:
             w = make_weights(m, rowwise=not isinstance(impls.get("torch_fp8_rowwise", ""), str),
                              bf16=not isinstance(impls.get("torch_bf16", ""), str))  # fmt: skip
