@@ -43,7 +43,8 @@ device-to-device copy bandwidth measured in the same run. The roofline's bytes =
 x read + out written (the minimum traffic of a fully fused layer). Time: median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls when capture fails.
 Weights (and DeepSeek-V3's score bias) are seeded by the model's name and each T's inputs by T:
-every run routes the same tokens to the same experts.  ``--budget-s`` bounds the wall time: the remaining (model, T) pairs are skipped, and say so.
+every run routes the same tokens to the same experts.  ``--budget-s`` bounds the wall time: the
+remaining (model, T) pairs are skipped, and say so.
 """
 from __future__ import annotations
 
