@@ -14,6 +14,7 @@ from cute_moe.functional import (
     fused_moe,
     fused_moe_routed,
     grouped_gemm_fp8,
+    grouped_gemm_fp8_swiglu,
     moe_reduce,
     permute,
     permute_quant,

@@ -40,6 +40,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_routed",
     "grouped_gemm_fp8",
+    "grouped_gemm_fp8_swiglu",
     "moe_reduce",
     "permute",
     "permute_quant",
@@ -286,6 +287,32 @@ def grouped_gemm_fp8(
         GPU may write some of them), and with ``expert_counts`` padding rows unspecified too.
     """
     return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts)
+
+
+@_api
+def grouped_gemm_fp8_swiglu(
+    a: Tensor,
+    a_scale: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    expert_offsets: Tensor,
+    *,
+    expert_counts: Optional[Tensor] = None,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    """The MoE layer's first GEMM and its SwiGLU in one step: :func:`grouped_gemm_fp8` with
+    ``b = w13`` ([E, 2I, K], gate rows first unless ``gate_first=False``), then
+    :func:`silu_mul_quant` of its output with the same ``expert_offsets`` / ``expert_counts``.
+
+    Returns ``(a2 [M_cap, I] float8_e4m3fn, a2_scale [M_cap, I/128] f32, MN-major)``, what the second
+    GEMM loads.  ``I % 128 == 0``.  On the H100/H200 at prefill sizes one kernel computes it, with
+    the GEMM's output rounded to bf16 in registers as the two steps round it in memory: the same codes
+    and scales, bit for bit; elsewhere (the CPU, decode sizes, other GPUs) it is those two steps.
+    Rows outside the segments (and with ``expert_counts`` padding rows) are unspecified.
+    """
+    return _call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first,
+                 scale_fmt)  # fmt: skip
 
 
 @_api

@@ -48,6 +48,7 @@ __all__ = [
     "fused_moe",
     "fused_moe_routed",
     "grouped_gemm_fp8",
+    "grouped_gemm_fp8_swiglu",
     "moe_reduce",
     "permute",
     "permute_quant",
@@ -496,6 +497,53 @@ def _grouped_gemm_fp8_fake(a: Tensor, a_scale: Tensor, b: Tensor, *_: Any) -> Te
 
 
 # ----------------------------------------------------------------------------
+# grouped_gemm_fp8_swiglu: the w13 GEMM with silu_mul_quant in its epilogue
+# ----------------------------------------------------------------------------
+
+
+@_custom_op(f"{_NS}::grouped_gemm_fp8_swiglu", mutates_args=(), device_types="cpu")
+def grouped_gemm_fp8_swiglu(
+    a: Tensor,
+    a_scale: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+    _check_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
+    a2, s = R.grouped_gemm_fp8_swiglu_ref(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first,
+                                          scale_fmt)  # fmt: skip
+    return a2.contiguous(), _as_scales(s, True)
+
+
+@grouped_gemm_fp8_swiglu.register_kernel("cuda")
+def _grouped_gemm_fp8_swiglu_cuda(
+    a: Tensor,
+    a_scale: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+) -> tuple[Tensor, Tensor]:
+    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+    swiglu_cuda = _launcher("grouped_gemm_swiglu", "grouped_gemm_fp8_swiglu_cuda")
+    if _debug_checks():
+        _check_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
+    return swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+
+
+@grouped_gemm_fp8_swiglu.register_fake
+def _grouped_gemm_fp8_swiglu_fake(a: Tensor, a_scale: Tensor, w13: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
+    m_cap, inter = a.shape[0], w13.shape[1] // 2
+    return a.new_empty((m_cap, inter), dtype=_FP8), _empty_mn_major(a, m_cap, inter // _G)
+
+
+# ----------------------------------------------------------------------------
 # silu_mul_quant
 # ----------------------------------------------------------------------------
 
@@ -620,8 +668,8 @@ def _moe_from_topk(
         offsets, row_to_token, token_to_row, counts = R.align_local(topk_ids, e_local, _MOE_ALIGNMENT, expert_offset)
     # Padding rows stay unwritten: both GEMMs and silu_mul_quant are given the counts and skip them.
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
-    h = call("grouped_gemm_fp8", a, a_scale, w13, w13_scale, offsets, counts)
-    a2, a2_scale = call("silu_mul_quant", h, offsets, gate_first, act_scale_fmt, counts)
+    a2, a2_scale = call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, offsets, counts, gate_first,
+                        act_scale_fmt)  # fmt: skip
     y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)
     out = call("finalize", y, topk_weights, token_to_row.reshape(T, k))
     # finalize writes bf16; fp16 hidden states get one conversion pass (bf16's 8 mantissa bits are

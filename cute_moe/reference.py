@@ -347,6 +347,22 @@ def grouped_gemm_fp8_ref(
     return c
 
 
+def grouped_gemm_fp8_swiglu_ref(
+    a: torch.Tensor,
+    a_scale: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    expert_counts: "torch.Tensor | None" = None,
+    gate_first: bool = True,
+    scale_fmt: "str | None" = None,
+):
+    """The w13 GEMM, then SwiGLU and re-quantization: ``silu_mul_quant_ref(grouped_gemm_fp8_ref(...))``
+    (the GEMM's output rounded to bf16 between the two)."""
+    h = grouped_gemm_fp8_ref(a, a_scale, w13, w13_scale, expert_offsets, expert_counts)
+    return silu_mul_quant_ref(h, expert_offsets, gate_first, scale_fmt, expert_counts)
+
+
 def silu_mul_quant_ref(
     h: torch.Tensor,
     expert_offsets: torch.Tensor,

@@ -511,6 +511,32 @@ def validate_grouped_gemm_fp8(
     )
 
 
+def validate_grouped_gemm_fp8_swiglu(
+    a: Tensor,
+    a_scale: Tensor,
+    w13: Tensor,
+    w13_scale: Tensor,
+    expert_offsets: Tensor,
+    expert_counts: Optional[Tensor] = None,
+    gate_first: bool = True,
+    scale_fmt: Optional[str] = None,
+) -> None:
+    op = "grouped_gemm_fp8_swiglu"
+    E, N, _ = _check_gemm(op, a, a_scale, w13, w13_scale, ("a", "a_scale", "w13", "w13_scale"))
+    if N % (2 * ACT_GROUP_SIZE) != 0:
+        _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {N}")
+    _offsets(op, "expert_offsets", expert_offsets, E, "E = w13.shape[0]")
+    if check_tensor(op, "expert_counts", expert_counts, optional=True):
+        _tensor(op, "expert_counts", expert_counts, torch.int32, 1, "[E]")
+        check_shape(op, "expert_counts", expert_counts, (E,), "[E] (E = w13.shape[0])")
+    check_bool(op, "gate_first", gate_first)
+    check_scale_fmt(op, "scale_fmt", scale_fmt)
+    check_same_device(
+        op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, expert_offsets=expert_offsets,
+        expert_counts=expert_counts,
+    )  # fmt: skip
+
+
 def validate_silu_mul_quant(
     h: Tensor,
     expert_offsets: Tensor,

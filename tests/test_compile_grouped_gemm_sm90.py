@@ -33,7 +33,7 @@ import json
 from cute_moe.cubin import analyse_cubin, disassemble
 from cute_moe.kernels import grouped_gemm_sm90 as gg
 out = {"regs": [gg._PRODUCER_REGS, gg._CONSUMER_REGS], "threads": gg.GroupedGemmFp8Sm90.num_threads, "variants": []}
-for name, compiled, smem in gg.inspect_variants("sm_90a"):
+for name, compiled, smem in gg.inspect_variants("sm_90a") + gg.inspect_swiglu_variants("sm_90a"):
     (report,) = analyse_cubin(compiled.artifacts.CUBIN, smem)
     out["variants"].append({"name": name, "registers": report.registers, "sass": disassemble(compiled.artifacts.CUBIN)})
 print(json.dumps(out))
@@ -104,14 +104,15 @@ def test_a_boxes_only_with_counts_along_n_and_long_k(report):
     for v in report["variants"]:
         name = v["name"]
         boxed = "expert_counts" in name and "A shared" in name and "store-behind" not in name
-        expected = (3 if boxed else 1) + (2 if "B shared" in name else 1)
+        # the SwiGLU variants load B as two 128-row boxes (gate, up), each whole or multicast halves
+        expected = (3 if boxed else 1) + (2 if "B shared" in name else 1) * (2 if "gate | up" in name else 1)
         assert len(re.findall(r"\bUTMALDG\b", v["sass"])) == expected, name
 
 
 def test_sparse_epilogue_stores_bf16_pairs(report):
     stores = re.compile(r"\bSTG\.E(\.[A-Z0-9.]+)?\b")
     plain = [v for v in report["variants"] if "expert_counts" not in v["name"]]
-    others = [v for v in report["variants"] if "expert_counts" in v["name"]]
+    others = [v for v in report["variants"] if "expert_counts" in v["name"] and "gate | up" not in v["name"]]
     assert len(plain) == 5 and others
     for v in plain:
         assert not stores.search(v["sass"]), f"{v['name']}: the plain variant stores C by TMA only"

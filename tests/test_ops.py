@@ -94,6 +94,17 @@ def gemm(T, N=264, E=3, with_counts=False) -> Case:
     return build
 
 
+def gemm_swiglu(T, E=3, with_counts=False, **kw) -> Case:
+    def build(rnd):
+        _, (off, _, _, counts) = _align(rnd, T, 2, E, E_global=E + 1, expert_offset=1)
+        M = R.m_cap(T, 2, E, 8)
+        w13, s13 = rnd.expert_weights(E, 256, H)
+        kwargs = {**kw, "expert_counts": counts} if with_counts else kw
+        return "grouped_gemm_fp8_swiglu", (_fp8(rnd, M, H), _scales(rnd, M, H // 128), w13, s13, off), kwargs
+
+    return build
+
+
 def silu(T, with_counts=False, **kw) -> Case:
     def build(rnd):
         _, (off, r2t, _, counts) = _align(rnd, T, 2, 4)
@@ -196,6 +207,9 @@ CASES: dict[str, Case] = {
     "grouped_gemm_fp8-N128-E1": gemm(4, N=128, E=1),
     "grouped_gemm_fp8-T0": gemm(0),
     "grouped_gemm_fp8-counts": gemm(7, with_counts=True),
+    "grouped_gemm_fp8_swiglu": gemm_swiglu(7),
+    "grouped_gemm_fp8_swiglu-counts-upfirst-ue8m0": gemm_swiglu(6, with_counts=True, gate_first=False, scale_fmt="ue8m0"),
+    "grouped_gemm_fp8_swiglu-T0": gemm_swiglu(0),
     "silu_mul_quant": silu(5),
     "silu_mul_quant-upfirst-ue8m0": silu(3, gate_first=False, scale_fmt="ue8m0"),
     "silu_mul_quant-T0": silu(0),
@@ -305,7 +319,8 @@ def test_matches_reference(name: str, rnd) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", [n for n in CASES if n.split("-")[0] in ("permute_quant", "permute", "silu_mul_quant")]
+    "name", [n for n in CASES if n.split("-")[0] in ("permute_quant", "permute", "silu_mul_quant",
+                                                     "grouped_gemm_fp8_swiglu")]  # fmt: skip
 )
 def test_gemm_feeding_scales_are_mn_major(name: str, rnd) -> None:
     op_name, args, kwargs = _build(name, rnd)

@@ -51,6 +51,15 @@ def _good(op: str) -> dict[str, Any]:
             "b_scale": torch.rand(E, 1, 2),
             "expert_offsets": off3,
         }
+    if op == "grouped_gemm_fp8_swiglu":
+        off3 = torch.tensor([0, 8, 8, M], dtype=I32)
+        return {
+            "a": _r(M, K, dtype=FP8),
+            "a_scale": torch.rand(M, 2),
+            "w13": _r(E, 2 * I, K, dtype=FP8),
+            "w13_scale": torch.rand(E, 2 * I // 128, 2),
+            "expert_offsets": off3,
+        }
     if op == "silu_mul_quant":
         return {"h": _r(M, 2 * I), "expert_offsets": off, "expert_counts": counts}
     if op == "finalize":
@@ -194,6 +203,22 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"a_in_scale": torch.rand(T, 1)}, ValueError, r"a_in_scale must have shape \[T, H/128\] = \[4, 2\]"),
         (lambda g: {"a_in_scale": torch.rand(T, 2).half()}, TypeError, r"a_in_scale must be float32"),
         (lambda g: {"a_in": _r(T, 64, dtype=FP8)}, ValueError, r"H \(a_in\.shape\[1\]\) must be divisible by 128"),
+    ],
+    "grouped_gemm_fp8_swiglu": [
+        (lambda g: {"w13": g["w13"].bfloat16()}, TypeError, r"w13 must be float8_e4m3fn"),
+        (
+            lambda g: {"w13": _r(E, 128, K, dtype=FP8), "w13_scale": torch.rand(E, 1, 2)},
+            ValueError,
+            r"w13\.shape\[1\] = 2I must have I divisible by 128, got 2I = 128",
+        ),
+        (lambda g: {"expert_counts": torch.zeros(E, dtype=I64)}, TypeError, r"expert_counts must be int32"),
+        (lambda g: {"gate_first": "yes"}, TypeError, r"argument 'gate_first'"),
+        (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt"),
+        (
+            lambda g: {"expert_offsets": g["expert_offsets"][:3]},
+            ValueError,
+            r"expert_offsets must have shape \[E \+ 1\] = \[4\] \(E = w13\.shape\[0\] = 3\)",
+        ),
     ],
     "grouped_gemm_fp8": [
         (

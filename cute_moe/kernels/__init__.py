@@ -17,4 +17,5 @@ KERNEL_MODULES = {
     "route": "cute_moe.kernels.route",
     "align": "cute_moe.kernels.align",
     "grouped_gemm_fp8": "cute_moe.kernels.grouped_gemm",
+    "grouped_gemm_fp8_swiglu": "cute_moe.kernels.grouped_gemm_swiglu",
 }

@@ -335,12 +335,14 @@ def valid_tiles(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n_groups: I
 
 @cute.jit
 def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, m_tile: Int32,
-                      n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32, b_blocks: cutlass.Constexpr = 1):  # fmt: skip
+                      n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32, b_blocks: cutlass.Constexpr = 1,
+                      swiglu_gate: cutlass.Constexpr = None):  # fmt: skip
     """cp.async of one K block's scales into a stage, by one warp: the tile's 128 A scales
     (``a_scale`` is MN-major: 16 contiguous bytes per lane) and its ``b_blocks`` B scales (an N tile
     of ``b_blocks`` x 128 columns), block ``j`` from lane ``4 j`` into ``sSB[j, stage]`` (none past
     the last N block: a multicast-only visit, or the second half of a 256-wide tile past N).
-    ``gSB``: the expert's (N blocks, K blocks)."""
+    ``gSB``: the expert's (N blocks, K blocks).  ``swiglu_gate`` (0 or 1: which half of B's rows
+    holds the gate projection): block ``j`` (0 gate, 1 up) is N block ``n_tile`` of that half."""
     per_lane = TILE_M // 32
     copy_a = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * per_lane)
     copy_b = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32)
@@ -348,9 +350,12 @@ def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB:
               cute.local_tile(sSA, (per_lane, 1), (lane, stage)))  # fmt: skip
     for j in cutlass.range_constexpr(b_blocks):
         # Lanes 4j: lanes 1-3 copy the segment record (copy_segment).
+        block = n_tile * b_blocks + j
+        if cutlass.const_expr(swiglu_gate is not None):
+            block = n_tile + (j ^ swiglu_gate) * (gSB.shape[0] // 2)
         if lane == 4 * j:
-            if n_tile * b_blocks + j < gSB.shape[0]:
-                cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (n_tile * b_blocks + j, k_tile)),
+            if block < gSB.shape[0]:
+                cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (block, k_tile)),
                           cute.local_tile(sSB, (1, 1), (j, stage)))  # fmt: skip
 
 
@@ -388,7 +393,8 @@ def visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32
 @cute.jit
 def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
                 mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None,
-                pairs: cutlass.Constexpr = False, b_blocks: cutlass.Constexpr = 1):  # fmt: skip
+                pairs: cutlass.Constexpr = False, b_blocks: cutlass.Constexpr = 1,
+                swiglu_gate: cutlass.Constexpr = None):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
     stage of ``scale_pipe`` (a PipelineCpAsync, or on sm90 ``ScalesIntoStages``: the producer side
     of a pipeline whose commit is each lane's ``cp.async`` arrive, which fires when its copies land).
@@ -406,7 +412,7 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
         next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_pipe.producer_acquire(state)
-            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane, b_blocks)
+            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane, b_blocks, swiglu_gate)
             if cutlass.const_expr(segment is not None):
                 if k_tile == 0:
                     copy_segment(mOff, segment[0], segment[1], expert, state.index, lane)
@@ -477,17 +483,18 @@ def num_sms(device_index: int) -> int:
 
 
 def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets, extra=(),
-           grid_fn=None) -> torch.Tensor:  # fmt: skip
+           grid_fn=None, out=None) -> torch.Tensor:  # fmt: skip
     """The host side both kernels share: checks, the output, the grid, the call on a's device and
     current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``; ``extra``
     are its arguments between the output and the grid size; ``grid_fn(M_cap, N, #SMs)`` sizes the
-    grid (default: ``launch_grid`` with ``cluster_n``)."""
+    grid (default: ``launch_grid`` with ``cluster_n``).  ``out``: the output the kernel writes, given
+    (the sm90 SwiGLU variant's codes), else a bf16 [M_cap, N] one, allocated here; it is returned."""
     m_cap, k = a.shape
     n = b.shape[1]
     reason = can_implement(m_cap, n, k)
     if reason is not None:
         raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no {arch} kernel for this input: {reason}")
-    c = torch.empty(m_cap, n, dtype=torch.bfloat16, device=a.device)
+    c = torch.empty(m_cap, n, dtype=torch.bfloat16, device=a.device) if out is None else out
     if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
     a_scale = prepare_a_scale(a_scale)

@@ -80,11 +80,15 @@ import cutlass.cute as cute
 import cutlass.memory
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+import torch
 from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
+from .fp8_group import quantize_group_fp8
+from .silu_mul_quant import silu_mul
+from .host_checks import empty_mn_major
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, WIDE_TILE_N, can_implement,
     check_sm90_variant, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
@@ -140,7 +144,15 @@ class GroupedGemmFp8Sm90:
     can_implement = staticmethod(can_implement)
 
     def __init__(self, block_scaled: bool = True, has_counts: bool = False, along_m: bool = False,
-                 store_behind: bool = False, tile_n: int = TILE_N):  # fmt: skip
+                 store_behind: bool = False, tile_n: int = TILE_N, swiglu: bool = False, gate_first: bool = True,
+                 ue8m0: bool = False):  # fmt: skip
+        # swiglu: the w13 GEMM with silu_mul_quant in its epilogue (``grouped_gemm_fp8_swiglu_cuda``):
+        # the 256-wide tile's half 0 holds gate block j (B rows [128 j, 128 j + 128), or [I + 128 j, ...)
+        # when not gate_first) and half 1 the matching up block, so that the epilogue has silu(gate) *
+        # up for 128 columns, one 1x128 quantization group per row, and writes FP8 codes and scales.
+        self.swiglu, self.gate_first, self.ue8m0 = swiglu, gate_first, ue8m0
+        if swiglu and (tile_n != WIDE_TILE_N or store_behind or not block_scaled):
+            raise ValueError("grouped_gemm_fp8 swiglu: the 256-wide tile only, without the store-behind epilogue")
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
@@ -199,14 +211,18 @@ class GroupedGemmFp8Sm90:
         return sm90_utils.make_trivial_tiled_mma(fp8, fp8, k_major, k_major, Float32, (2, 1, 1), tiler_mn=(64, WGMMA_N))
 
     @cute.jit
-    def __call__(self, mA, mB, mSA, mSB, mOff, mC, mCnt, grid_ctas: Int32, stream):
+    def __call__(self, mA, mB, mSA, mSB, mOff, mC, mCnt, mQS, grid_ctas: Int32, stream):
+        """``mC``: the bf16 output, or with ``swiglu`` the FP8 codes (uint8 [M_cap, I]) and ``mQS``
+        their scales (f32 [M_cap, I/128], MN-major); otherwise ``mQS`` is unused."""
         fp8 = cutlass.Float8E4M3FN
         mA, mB = fp8_operands(mA, mB)  # (M_cap, K), (N, K, E)
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
         sB_layout = self._smem_layout(self.tile_n)
-        sB_tile = cute.slice_(sB_layout, (None, None, 0))
-        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (self.tile_n, TILE_K))
+        # swiglu: B by 128-row boxes (a gate block and an up block per stage), else by whole tiles.
+        b_rows = WGMMA_N if self.swiglu else self.tile_n
+        sB_tile = cute.slice_(self._smem_layout(b_rows), (None, None, 0))
+        tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (b_rows, TILE_K))
         # A's TMA atoms, one per box height (A_BOX_ROWS with counts): pairs along N multicast (each CTA
         # loads half the box's rows), pairs along M load per CTA.
         a_op = cpasync.CopyBulkTensorTileG2SOp() if self.along_m else cpasync.CopyBulkTensorTileG2SMulticastOp()
@@ -223,7 +239,7 @@ class GroupedGemmFp8Sm90:
             # B two ways: a pair of M tiles of one expert loads the tile once (half per CTA, each half
             # multicast to both CTAs); a pair across two experts loads it per CTA.
             tma_b_pair, tma_mB_pair = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (self.tile_n, TILE_K), num_multicast=CLUSTER_M
+                cpasync.CopyBulkTensorTileG2SMulticastOp(), mB, sB_tile, (b_rows, TILE_K), num_multicast=CLUSTER_M
             )
             tma_b, tma_mB = (tma_b, tma_b_pair), (tma_mB, tma_mB_pair)
         c_atom = warpgroup.make_smem_layout_atom(
@@ -232,9 +248,16 @@ class GroupedGemmFp8Sm90:
         sC_layout = cute.tile_to_shape(c_atom, (TILE_M, EPI_N, self.epi_buffers), order=(0, 1, 2))
         # The TMA store clips what lies past N (e.g. N = 2112) or M_cap (the past-end tile of an odd pair
         # along M), and writes nothing for a multicast-only visit past the last N tile (pairs along N).
-        tma_c, tma_mC = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (TILE_M, EPI_N)
-        )
+        if cutlass.const_expr(self.swiglu):
+            # The codes of one 128 x 128 tile, row-major in the epilogue's buffers (16 KB), one TMA store.
+            mC = cute.make_tensor(cute.recast_ptr(mC.iterator, dtype=fp8), mC.layout)
+            tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mC, self.q_layout(), (TILE_M, WGMMA_N)
+            )
+        else:
+            tma_c, tma_mC = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (TILE_M, EPI_N)
+            )
 
         @cute.struct
         class SharedStorage:
@@ -250,7 +273,7 @@ class GroupedGemmFp8Sm90:
             SharedStorage.size_in_bytes(), self.dynamic_smem_bytes)  # fmt: skip
         self.shared_storage = SharedStorage
         self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, mSA, mSB,
-                    mOff, mCnt, mC).launch(  # fmt: skip
+                    mOff, mCnt, mC, mQS).launch(  # fmt: skip
             grid=[grid_ctas, 1, 1],
             block=[self.num_threads, 1, 1],
             cluster=[CLUSTER_M if self.along_m else CLUSTER_N, 1, 1],  # the pair's CTAs: consecutive block indices
@@ -258,9 +281,18 @@ class GroupedGemmFp8Sm90:
             stream=stream,
         )
 
+    def q_layout(self):
+        """swiglu: a tile's FP8 codes in shared memory, 128 B per row, 128-byte swizzled (the 16-byte
+        chunk index XOR the row mod 8), as the TMA store reads it.  The epilogue writes it by hand
+        (``swiglu_epilogue``): through this layout's generic indexing the kernel spilled 144 B, and
+        unswizzled, a warp's 8 rows store each column to one bank (8-way conflicts)."""
+        fp8 = cutlass.Float8E4M3FN
+        atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, fp8, WGMMA_N), fp8)
+        return cute.tile_to_shape(atom, (TILE_M, WGMMA_N), order=(0, 1))
+
     @cute.kernel
     def kernel(self, tiled_mma, tma_a, mA, tma_b, mB, tma_c, mC, sA_layout, sB_layout, sC_layout, mSA, mSB, mOff,
-               mCnt, mC_direct):  # fmt: skip
+               mCnt, mC_direct, mQS):  # fmt: skip
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         grid, _, _ = cute.arch.grid_dim()
@@ -268,15 +300,16 @@ class GroupedGemmFp8Sm90:
         lane = tidx % 32
         num_experts = mOff.shape[0] - 1
         rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        n = mC.shape[1] * (2 if self.swiglu else 1)  # B's rows (2I with swiglu, whose output has I columns)
         if cutlass.const_expr(self.along_m):
             cluster_mn = (CLUSTER_M, 1)
             # M tiles 2i, 2i + 1 of one N tile (grouped_gemm_schedule.pair_tile_schedule); B shared.
-            sched = pair_schedule(mOff, num_experts, mC.shape[0], mC.shape[1], mA[0].shape[1], PAIRS_PER_BAND,
+            sched = pair_schedule(mOff, num_experts, mC.shape[0], n, mA[0].shape[1], PAIRS_PER_BAND,
                                   bidx // CLUSTER_M, grid // CLUSTER_M, rank, self.tile_n)  # fmt: skip
         else:
             cluster_mn = (1, CLUSTER_N)
             # N tiles 2j, 2j + 1 of one M tile (grouped_gemm_schedule.tile_schedule); A shared.
-            n_groups = (mC.shape[1] + self.tile_n * CLUSTER_N - 1) // (self.tile_n * CLUSTER_N)
+            n_groups = (n + self.tile_n * CLUSTER_N - 1) // (self.tile_n * CLUSTER_N)
             sched = (bidx // CLUSTER_N, valid_tiles(mOff, num_experts, mC.shape[0], n_groups), grid // CLUSTER_N,
                      n_groups, mA[0].shape[1] // TILE_K, rank)  # fmt: skip
         cta_layout = cute.make_layout((*cluster_mn, 1))
@@ -317,6 +350,12 @@ class GroupedGemmFp8Sm90:
         sSB = storage.sSB.get_tensor(cute.make_layout((self.n_halves, self.stages)))
         sSeg = storage.sSeg.get_tensor(cute.make_layout((3, self.stages)))
         sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        if cutlass.const_expr(self.swiglu):
+            q_layout = self.q_layout()
+            sC = (cute.make_tensor(cute.recast_ptr(storage.sC.data_ptr(), q_layout.inner, dtype=cutlass.Float8E4M3FN),
+                                   q_layout.outer),  # the TMA store's source
+                  cute.make_tensor(cute.recast_ptr(storage.sC.data_ptr(), dtype=cutlass.Uint16),
+                                   cute.make_layout(TILE_M * WGMMA_N // 2)))  # the same bytes, as pairs  # fmt: skip
 
         pipeline.pipeline_init_wait(cluster_shape_mn=cluster_mn)
 
@@ -330,10 +369,11 @@ class GroupedGemmFp8Sm90:
                              sched)  # fmt: skip
             if warp_idx == _SCALE_WARP:
                 load_scales(mSA, mSB, sSA, sSB, ScalesIntoStages(ab_pipe), self.stages, mOff, num_experts, lane,
-                            sched, segment=(mCnt, sSeg), pairs=self.along_m, b_blocks=self.n_halves)  # fmt: skip
+                            sched, segment=(mCnt, sSeg), pairs=self.along_m, b_blocks=self.n_halves,
+                            swiglu_gate=(0 if self.gate_first else 1) if self.swiglu else None)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
-            self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, (mC, mC_direct), tidx - 128, sched)
+            self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, (mC, mC_direct, mQS), tidx - 128, sched)
 
     @cute.jit
     def load_ab(self, tma_a, mA, tma_b, mB, sA_boxes, sB, ab_pipe, segments, num_experts, lane, mcast_mask, sched):
@@ -345,12 +385,19 @@ class GroupedGemmFp8Sm90:
         rows that are never stored, and sets each stage's expected bytes to match."""
         mOff, mCnt = segments
         first_tile, tiles, tile_stride, k_tiles, rank = sched[0], sched[1], sched[2], sched[4], sched[5]
+        # B's destinations: the whole stage, or with swiglu its two 128-row halves (gate, up).
+        b_rows = WGMMA_N if self.swiglu else self.tile_n
+        sB_parts = [sB] if not self.swiglu else [cute.local_tile(sB, (WGMMA_N, TILE_K, self.stages), (h, 0, 0))
+                                                 for h in range(2)]  # fmt: skip
         if cutlass.const_expr(self.along_m):
             (tma_b, tma_b_pair), (mB, mB_pair) = tma_b, mB
-            gB_pair = cute.local_tile(mB_pair, (self.tile_n, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
-            tBsB_pair, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M),
-                                                         cute.group_modes(sB, 0, 2),
-                                                         cute.group_modes(gB_pair, 0, 2))  # fmt: skip
+            gB_pair = cute.local_tile(mB_pair, (b_rows, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
+            tBsB_pair, tBgB_pair = [], None
+            for part in sB_parts:
+                part_s, tBgB_pair = cpasync.tma_partition(tma_b_pair, rank, cute.make_layout(CLUSTER_M),
+                                                          cute.group_modes(part, 0, 2),
+                                                          cute.group_modes(gB_pair, 0, 2))  # fmt: skip
+                tBsB_pair.append(part_s)
         # Per box height: this CTA's part of the box (all of it along M, half along N) and its source.
         a_parts = []
         a_cta, a_ctas = (0, 1) if self.along_m else (rank, CLUSTER_N)
@@ -360,9 +407,16 @@ class GroupedGemmFp8Sm90:
             a_parts.append(cpasync.tma_partition(tma_a[i], a_cta, cute.make_layout(a_ctas),
                                                  cute.group_modes(sA_boxes[i], 0, 2),
                                                  cute.group_modes(gA, 0, 2)))  # fmt: skip
-        gB = cute.local_tile(mB, (self.tile_n, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
-        tBsB, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2),
-                                           cute.group_modes(gB, 0, 2))  # fmt: skip
+        gB = cute.local_tile(mB, (b_rows, TILE_K), (None, None, None))  # (bN, bK, RestN, RestK, E)
+        tBsB, tBgB = [], None
+        for part in sB_parts:
+            part_s, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(part, 0, 2),
+                                                 cute.group_modes(gB, 0, 2))  # fmt: skip
+            tBsB.append(part_s)
+        # swiglu: the B row block of half h (gate, up) of N tile j: j, or j + I / 128, swapped when
+        # not gate_first.
+        half_blocks = mB.shape[0] // (2 * WGMMA_N)
+        b_offsets = [0] if not self.swiglu else [((h ^ (0 if self.gate_first else 1)) * half_blocks) for h in range(2)]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         expert, shared, rows = self.visit_expert_rows(mOff, mCnt, num_experts, lane, first_tile, sched)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
@@ -384,16 +438,19 @@ class GroupedGemmFp8Sm90:
                             cute.copy(tma_a[i], src, dst, tma_bar_ptr=barrier, **a_mcast)
                     else:
                         cute.copy(tma_a[i], src, dst, tma_bar_ptr=barrier, **a_mcast)
-                if cutlass.const_expr(self.along_m):
-                    if shared:
-                        cute.copy(tma_b_pair, tBgB_pair[(None, n_tile, k_tile, expert)], tBsB_pair[(None, state.index)],
-                                  tma_bar_ptr=barrier, mcast_mask=mcast_mask)  # fmt: skip
+                for h in cutlass.range_constexpr(len(sB_parts)):
+                    block = n_tile + b_offsets[h]
+                    if cutlass.const_expr(self.along_m):
+                        if shared:
+                            cute.copy(tma_b_pair, tBgB_pair[(None, block, k_tile, expert)],
+                                      tBsB_pair[h][(None, state.index)], tma_bar_ptr=barrier,
+                                      mcast_mask=mcast_mask)  # fmt: skip
+                        else:
+                            cute.copy(tma_b, tBgB[(None, block, k_tile, expert)], tBsB[h][(None, state.index)],
+                                      tma_bar_ptr=barrier)  # fmt: skip
                     else:
-                        cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
+                        cute.copy(tma_b, tBgB[(None, block, k_tile, expert)], tBsB[h][(None, state.index)],
                                   tma_bar_ptr=barrier)  # fmt: skip
-                else:
-                    cute.copy(tma_b, tBgB[(None, n_tile, k_tile, expert)], tBsB[(None, state.index)],
-                              tma_bar_ptr=barrier)  # fmt: skip
                 ab_pipe.producer_commit(state)
                 state.advance()
                 if k_tile == 0:
@@ -432,7 +489,7 @@ class GroupedGemmFp8Sm90:
     def math(self, tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, mC, math_tidx, sched):
         """Math warp groups: per tile, the K loop, then the epilogue.  ``mC``: the output as the TMA
         store's coordinate tensor and as a plain global tensor (``sparse_epilogue``'s stores)."""
-        mC, mC_direct = mC
+        mC, mC_direct, mQS = mC
         first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
         thr_mma = tiled_mma.get_slice(math_tidx)
         # A warp group's operand descriptors depend on its index only: taken from a warp-uniform
@@ -464,7 +521,7 @@ class GroupedGemmFp8Sm90:
         # A scales, and their products with a half's B scale).
         scl0 = cute.make_rmem_tensor((len(row_offsets),), Float32)
         scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
-        epi = self.make_epilogue(tiled_mma, sC, acc, math_tidx)
+        epi = None if self.swiglu else self.make_epilogue(tiled_mma, sC, acc, math_tidx)
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = visit_coords(tile, sched, self.along_m)
             # The visit's segment record (start, end, count) came with its first stage's scales.
@@ -510,7 +567,10 @@ class GroupedGemmFp8Sm90:
             else:
                 r_idx, r_ph = self.idle_k_loop(ab_pipe, k_tiles, r_idx, r_ph)
                 d_idx, d_ph = r_idx, r_ph
-            if cutlass.const_expr(self.has_counts):
+            if cutlass.const_expr(self.swiglu):
+                self.swiglu_epilogue(acc, tCcC, (which_row, [c0[i][1] for i in range(cute.size(c0))]), sC, tma_c, mC,
+                                     mQS, m_tile, n_tile, math_tidx)  # fmt: skip
+            elif cutlass.const_expr(self.has_counts):
                 if sparse:
                     self.sparse_epilogue(acc, tCcC, mC_direct, m_tile, n_tile, rows_left, math_tidx)
                 else:
@@ -686,6 +746,63 @@ class GroupedGemmFp8Sm90:
                         cute.autovec_copy(rOut, cute.local_tile(mC[row, None], (2,), (col // 2,)))
 
     @cute.jit
+    def swiglu_epilogue(self, acc, tCcC, frag, sQ, tma_q, mQ, mQS, m_tile, n_tile, math_tidx):
+        """swiglu: ``y = silu(gate) * up`` from the two halves' accumulators rounded to bf16, each
+        row's 128 values one 1x128 group (a quad of lanes holds a row: 32 values each), quantized as
+        ``silu_mul_quant`` does (``quantize_group_fp8``, x * 1/scale); the codes go through shared
+        memory (``q_layout``'s swizzle, by hand: two adjacent codes per 16-bit store, a warp's 8 rows in 8
+        different banks) to one TMA store of the 128 x 128 tile, the scales (one per row) straight to ``mQS``
+        (MN-major: a tile's 128 scales are contiguous).  Rows past M_cap are clipped; padding rows
+        get codes of whatever their accumulator rows held (unspecified, as the GEMM's own).
+        ``frag``: each fragment element's row (``which_row``) and column offset (thread 0's column; a
+        thread's columns are these plus its first one, below 8), known when tracing."""
+        which_row, col_of = frag
+        sQ, sQ_pairs = sQ
+        barrier = pipeline.NamedBarrier(barrier_id=_EPI_BARRIER, num_threads=32 * _NUM_CONSUMER_WARPS)
+        store_warp = math_tidx // 32 == 0
+        if store_warp:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous tile's store has read sQ
+        barrier.arrive_and_wait()
+        per_row = cute.size(acc[0]) // (max(which_row) + 1)
+        for j in cutlass.range_constexpr(max(which_row) + 1):
+            elems = [i for i in range(cute.size(acc[0])) if which_row[i] == j]
+            assert len(elems) == per_row
+            # h rounded to bf16 as the plain GEMM stores it, then silu_mul_quant's own silu_mul: the
+            # same codes and scales as the two kernels, bit for bit.
+            rG, rU = (cute.make_rmem_tensor((per_row,), Float32) for _ in range(2))
+            for t in cutlass.range_constexpr(per_row):
+                rG[t], rU[t] = acc[0][elems[t]], acc[1][elems[t]]
+            hG, hU = (cute.make_rmem_tensor((per_row,), cutlass.BFloat16) for _ in range(2))
+            hG.store(rG.load().to(cutlass.BFloat16))
+            hU.store(rU.load().to(cutlass.BFloat16))
+            rY = cute.make_rmem_tensor((per_row,), Float32)
+            silu_mul(hG, hU, rY)
+            rQ = cute.make_rmem_tensor((per_row,), cutlass.Float8E4M3FN)
+            scale = quantize_group_fp8(rY, rQ, 4, self.ue8m0, correctly_rounded=False)
+            rQ_pairs = cute.recast_tensor(rQ, cutlass.Uint16)  # elements 2p, 2p + 1: adjacent columns
+            r = tCcC[elems[0]][0]
+            row_bytes = r * WGMMA_N + tCcC[0][1]  # the row's start plus this thread's first column
+            r8 = r % 8
+            for p in cutlass.range_constexpr(per_row // 2):
+                # column = first + col_of (a multiple of 8 plus 0 or 1): its 16-byte chunk is col_of // 16
+                chunk, within = divmod(col_of[elems[2 * p]], 16)
+                sQ_pairs[(row_bytes + ((r8 ^ chunk) * 16) + within) // 2] = rQ_pairs[p]
+            row = m_tile * TILE_M + r
+            # Not past N either: pairs along N with I / 128 odd visit an N tile past the last one (it
+            # feeds the multicast; the TMA store clips its codes).
+            if math_tidx % 4 == 0 and row < mQS.shape[0] and n_tile < mQS.shape[1]:
+                mQS[row, n_tile] = scale
+        cute.arch.fence_proxy("async.shared", space="cta")
+        barrier.arrive_and_wait()
+        if store_warp:
+            gQ = cute.local_tile(mQ, (TILE_M, WGMMA_N), (None, None))  # (128, 128, RestM, RestN)
+            bSG_sQ, bSG_gQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1),
+                                                   cute.group_modes(sQ, 0, 2),
+                                                   cute.group_modes(gQ, 0, 2))  # fmt: skip
+            cute.copy(tma_q, bSG_sQ, bSG_gQ[(None, m_tile, n_tile)])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
     def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
         """The tile in bf16: registers -> shared memory (stmatrix, 128 x 32 sub-tiles) -> TMA stores
         issued by one warp.  Store-behind: the whole tile, then its tile_n / 32 stores, waited for only
@@ -730,12 +847,18 @@ class GroupedGemmFp8Sm90:
 
 @cached_compile
 def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: bool = True, has_counts: bool = False,
-                             along_m: bool = False, store_behind: bool = False, tile_n: int = TILE_N):  # fmt: skip
+                             along_m: bool = False, store_behind: bool = False, tile_n: int = TILE_N,
+                             swiglu: bool = False, gate_first: bool = True, ue8m0: bool = False):  # fmt: skip
     """One binary for every M_cap, N, K, expert count and routing."""
     mA, mB, mSA, mSB, mOff, mC = fake_operands()
     mCnt = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)  # expert_counts, or offsets when unused
-    kernel = GroupedGemmFp8Sm90(block_scaled, has_counts, along_m, store_behind, tile_n)
-    return compile_kernel(kernel, mA, mB, mSA, mSB, mOff, mC, mCnt, Int32(1), arch=arch, keep_cubin=keep_cubin)
+    if swiglu:  # FP8 codes [M_cap, I] and their MN-major scales
+        mC = fake_tensor(cutlass.Uint8, (cute.sym_int(), cute.sym_int()), (cute.sym_int64(divisibility=16), 1))
+        mQS = fake_tensor(Float32, (cute.sym_int(), cute.sym_int()), (1, cute.sym_int64(divisibility=4)), align=16)
+    else:  # unused: the offsets stand in
+        mQS = fake_tensor(Int32, (cute.sym_int(),), (1,), align=4)
+    kernel = GroupedGemmFp8Sm90(block_scaled, has_counts, along_m, store_behind, tile_n, swiglu, gate_first, ue8m0)
+    return compile_kernel(kernel, mA, mB, mSA, mSB, mOff, mC, mCnt, mQS, Int32(1), arch=arch, keep_cubin=keep_cubin)
 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
@@ -758,7 +881,37 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     else:
         grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=tile_n)
     return launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-                  (expert_counts if has_counts else expert_offsets,), grid_fn=grid_fn)  # fmt: skip
+                  (expert_counts if has_counts else expert_offsets, expert_offsets), grid_fn=grid_fn)  # fmt: skip
+
+
+def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, gate_first: bool = True,
+                                 scale_fmt: str | None = None):  # fmt: skip
+    """The w13 GEMM and ``silu_mul_quant`` in one kernel: ``(q [M_cap, I] e4m3, scales [M_cap, I/128] f32,
+    MN-major)`` from ``b`` = w13 [E, 2I, K].  Where ``sm90_launch_config`` does not pick the 256-wide
+    tile (decode sizes), the GEMM and ``silu_mul_quant``'s kernel run one after the other.  Where it
+    would store behind (K <= 2048), the fused kernel keeps its 4 stages: its one 16 KB TMA store per
+    tile is waited for only by the next tile's epilogue, which is what the store-behind epilogue
+    buys for the bf16 tile.  Numerics: the two kernels', bit for bit (h rounded to bf16, then
+    ``silu_mul_quant``'s silu and quantizer)."""
+    has_counts = expert_counts is not None
+    m_cap, k = a.shape
+    n = b.shape[1]
+    along_m, _, tile_n = sm90_launch_config(m_cap, b.shape[0], k, has_counts)
+    if tile_n != WIDE_TILE_N or n % (2 * WGMMA_N):
+        from .silu_mul_quant import silu_mul_quant_cuda  # noqa: PLC0415
+
+        h = grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+        return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
+    q = torch.empty(m_cap, n // 2, dtype=torch.float8_e4m3fn, device=a.device)
+    scales = empty_mn_major(m_cap, n // 2 // WGMMA_N, a.device)
+    key = ("sm_90a", False, True, has_counts, along_m, False, WIDE_TILE_N, True, gate_first, scale_fmt == "ue8m0")
+    if along_m:
+        grid_fn = functools.partial(pair_launch_grid, tile_n=WIDE_TILE_N)
+    else:
+        grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=WIDE_TILE_N)
+    launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
+           (expert_counts if has_counts else expert_offsets, scales), grid_fn=grid_fn, out=q.view(torch.uint8))  # fmt: skip
+    return q, scales
 
 
 def inspect_variants(arch: str):
@@ -782,4 +935,20 @@ def inspect_variants(arch: str):
     return out
 
 
-__all__ = ["GroupedGemmFp8Sm90", "ROW_ALIGNMENT", "compile_grouped_gemm_fp8", "grouped_gemm_fp8_cuda"]
+def inspect_swiglu_variants(arch: str):
+    """(name, compiled function, dynamic smem bytes) of the SwiGLU variants fused_moe's w13 GEMM runs at
+    prefill: with expert counts, pairs along M (>= 1 real tile per expert) or along N."""
+    if arch != "sm_90a":
+        return []
+    out = []
+    for along_m in (True, False):
+        kernel = GroupedGemmFp8Sm90(True, True, along_m, False, WIDE_TILE_N, True)
+        name = (f"grouped_gemm_fp8_swiglu[sm90, persistent, 128x{WIDE_TILE_N}x128 (gate | up), {kernel.stages} stages, "
+                f"cluster {'2x1 (B shared)' if along_m else '1x2 (A shared)'}, expert_counts, FP8 1x128 out]")  # fmt: skip
+        out.append((name, compile_grouped_gemm_fp8(arch, True, True, True, along_m, False, WIDE_TILE_N, True),
+                    kernel.dynamic_smem_bytes))  # fmt: skip
+    return out
+
+
+__all__ = ["GroupedGemmFp8Sm90", "ROW_ALIGNMENT", "compile_grouped_gemm_fp8", "grouped_gemm_fp8_cuda",
+           "grouped_gemm_fp8_swiglu_cuda"]

@@ -1,0 +1,73 @@
+"""``grouped_gemm_fp8_swiglu`` (the w13 GEMM with ``silu_mul_quant`` in its epilogue) on the GPU.
+
+The fused kernel rounds its f32 accumulators to bf16, as the GEMM stores h, and runs
+``silu_mul_quant``'s own silu and quantizer on them: its codes and scales must equal the two-kernel
+path's (``grouped_gemm_fp8`` then ``silu_mul_quant``, the op's reference composition) bit for bit on
+every real row, on the same inputs.  Outputs come from a poisoned allocator (a real row left
+unwritten is NaN).  The cases are chosen so that the launch rule takes the fused kernel (asserted):
+pairs along M and along N (I / 128 odd too: a visit past the last N tile, whose scales must not be
+written), gate first or second, f32 and ue8m0 scales, with and without expert counts.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cute_moe.kernels import grouped_gemm_schedule as gs
+
+from .moe_cases import poison_pools
+from .test_gpu_grouped_gemm import activations, deepgemm_counts, expert_weights, routing_from_counts
+
+pytest.importorskip("cute_moe.kernels.grouped_gemm_sm90")
+pytestmark = pytest.mark.gpu
+
+# (experts, rows per expert, I, K, clusters along M with expert counts): 2-6 real tiles per expert
+# over >= 64 experts pair M tiles at K >= 4096; more tiles, or K < 4096, pair N tiles; I / 128 odd
+# makes a visit past the last N tile.  (Contiguous segments pair along M from 1 to 6 tiles at any K.)
+CASES = {
+    "E64_rows384_I256_K4096_pairs_m": (64, 384, 256, 4096, True),
+    "E64_rows1024_I256_K4096_pairs_n": (64, 1024, 256, 4096, False),
+    "E64_rows1024_I384_K4096_pairs_n_odd": (64, 1024, 384, 4096, False),
+    "E256_rows300_I2048_K7168_dsv3": (256, 300, 2048, 7168, True),
+    # Qwen3-30B-A3B's w13 (K = 2048: the plain GEMM would store behind; the fused one keeps 4 stages)
+    "E128_rows400_I768_K2048_qwen3": (128, 400, 768, 2048, False),
+}
+
+
+@pytest.fixture(autouse=True)
+def _hopper_only():
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the fused kernel is sm_90a's; elsewhere the op is the two-kernel path it is compared with")
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counts", "no_counts"])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
+    E, rows, inter, K, pairs_m = CASES[case]
+    seed = sum(map(ord, case)) * 31 + 2 * gate_first + (scale_fmt is not None) + 4 * counted
+    counts = deepgemm_counts(E, rows, random.Random(seed))
+    routing = routing_from_counts(counts)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13, w13_scale = expert_weights(E, 2 * inter, K, g)
+    a, a_scale = activations(routing, K, g)
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda") if counted else None
+    along_m, _, tile_n = gs.sm90_launch_config(a.shape[0], E, K, counted)
+    assert tile_n == gs.WIDE_TILE_N and (along_m == pairs_m or not counted), "the case must take this fused variant"
+    op = torch.ops.cute_moe
+    poison_pools(max(256 << 20, a.shape[0] * inter * 8))
+    q, s = op.grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, routing.offsets, cnt, gate_first, scale_fmt)
+    h = op.grouped_gemm_fp8(a, a_scale, w13, w13_scale, routing.offsets, cnt)
+    q2, s2 = op.silu_mul_quant(h, routing.offsets, gate_first, scale_fmt, cnt)
+    assert q.shape == q2.shape and s.shape == s2.shape and s.stride() == s2.stride()
+    real = routing.real
+    qr, sr, q2r, s2r = q[real], s[real], q2[real], s2[real]
+    assert not sr.isnan().any() and not qr.float().isnan().any(), "unwritten or NaN real rows"
+    # The GEMM's f32 accumulators are the same in both (same variant, same K order); the fused
+    # epilogue rounds them to bf16 and runs silu_mul_quant's silu and quantizer: the same bits.
+    assert torch.equal(sr, s2r), f"{(sr != s2r).sum().item()} scales differ"
+    assert torch.equal(qr.view(torch.uint8), q2r.view(torch.uint8)), \
+        f"{(qr.view(torch.uint8) != q2r.view(torch.uint8)).sum().item()} codes differ"
