@@ -98,3 +98,20 @@ def test_grouped_gemm_sass(arch, mma):
         assert counts.get("UTMALDG", 0) >= 2 and counts.get("UTMASTG", 0) >= 1, "A, B in and C out by TMA"
         assert "LDL" not in counts and "STL" not in counts and kernel["spill_bytes"] == 0
         assert kernel["smem_bytes"] <= 227 * 1024
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_grouped_gemm_swiglu_inspect_lists_what_runs(arch):
+    """sm_90a: the fused kernel (QGMMA, the FP8 tile out by TMA); sm_100a, which has no fused kernel:
+    the two kernels the op runs there, the GEMM (tcgen05) and silu_mul_quant."""
+    proc = _inspect("grouped_gemm_fp8_swiglu", arch, "--json")
+    assert proc.returncode == 0, proc.stderr
+    kernels = json.loads(proc.stdout)["kernels"]
+    gemms = [k for k in kernels if k["variant"].startswith("grouped_gemm_fp8")]
+    assert gemms and all(k["spill_bytes"] == 0 for k in kernels)
+    if arch == "sm_90a":
+        assert len(gemms) == len(kernels) and all("(gate | up)" in k["variant"] for k in gemms)
+        assert all(k["sass_counts"].get("QGMMA", 0) >= 4 and k["sass_counts"].get("UTMASTG", 0) >= 1 for k in gemms)
+    else:
+        assert all(k["sass_counts"].get("UTCQMMA", 0) >= 4 for k in gemms)
+        assert any(k["variant"].startswith("silu_mul_quant") for k in kernels)

@@ -25,6 +25,12 @@ def grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, exp
 
 
 def inspect_variants(arch: str):
-    from . import grouped_gemm_sm90  # noqa: PLC0415
+    """sm_90a: the fused kernel's variants.  Elsewhere the op is the two kernels: theirs, so that
+    ``python -m cute_moe.inspect grouped_gemm_fp8_swiglu`` lists what runs on every architecture."""
+    if arch == "sm_90a":
+        from . import grouped_gemm_sm90  # noqa: PLC0415
 
-    return grouped_gemm_sm90.inspect_swiglu_variants(arch)
+        return grouped_gemm_sm90.inspect_swiglu_variants(arch)
+    from . import grouped_gemm, silu_mul_quant  # noqa: PLC0415
+
+    return grouped_gemm.inspect_variants(arch) + silu_mul_quant.inspect_variants(arch)
