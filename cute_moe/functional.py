@@ -306,10 +306,17 @@ def grouped_gemm_fp8_swiglu(
     :func:`silu_mul_quant` of its output with the same ``expert_offsets`` / ``expert_counts``.
 
     Returns ``(a2 [M_cap, I] float8_e4m3fn, a2_scale [M_cap, I/128] f32, MN-major)``, what the second
-    GEMM loads.  ``I % 128 == 0``.  On the H100/H200 at prefill sizes one kernel computes it, with
-    the GEMM's output rounded to bf16 in registers as the two steps round it in memory: the same codes
-    and scales, bit for bit; elsewhere (the CPU, decode sizes, other GPUs) it is those two steps.
-    Rows outside the segments (and with ``expert_counts`` padding rows) are unspecified.
+    GEMM loads.  ``I % 128 == 0``.  On the H100/H200, where the GEMM takes its 128x256 tile (about
+    one real M tile per expert or more; with ``expert_counts`` also at least 64 experts), one kernel
+    computes it, with the GEMM's output rounded to bf16 in registers as the two steps round it in
+    memory: the same codes and scales, bit for bit.  Elsewhere (the CPU, decode sizes,
+    expert-parallel slices of fewer than 64 experts, other GPUs) it is those two steps.  Rows outside
+    the segments (and with ``expert_counts`` padding rows) are unspecified; the fused kernel writes
+    the padding rows of the tiles it visits, the two steps do not.
+
+    On the GPU, as for :func:`grouped_gemm_fp8`: ``M_cap % 128 == 0`` (``NotImplementedError``
+    otherwise), every segment's length a multiple of 128 (``align(..., alignment=128)``; a segment
+    that breaks it comes out as NaN), ``a_scale`` MN-major.
     """
     return _call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first,
                  scale_fmt)  # fmt: skip

@@ -482,13 +482,18 @@ def _grouped_gemm_fp8_cuda(
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
     grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
     if _debug_checks():
-        _check_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
-        if bool((expert_offsets % _GEMM_SEGMENT_ALIGNMENT != 0).any()):
-            raise ValueError(f"cute_moe.grouped_gemm_fp8: expert_offsets must be multiples of "
-                             f"{_GEMM_SEGMENT_ALIGNMENT} on the GPU (align(..., alignment=128)); the kernel writes a "
-                             f"misaligned segment's tiles as NaN, got {expert_offsets.tolist()[:16]}")  # fmt: skip
-
+        _check_gemm_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
     return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+
+
+def _check_gemm_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor]) -> None:
+    """CUTE_MOE_DEBUG's checks of the GEMM's segments (a host sync): ``_check_segments``, and the
+    GPU kernel's 128-row alignment, whose breach it writes as NaN tiles."""
+    _check_segments(op, expert_offsets, m_cap, expert_counts)
+    if bool((expert_offsets % _GEMM_SEGMENT_ALIGNMENT != 0).any()):
+        raise ValueError(f"cute_moe.{op}: expert_offsets must be multiples of {_GEMM_SEGMENT_ALIGNMENT} on the GPU "
+                         f"(align(..., alignment=128)); the kernel writes a misaligned segment's tiles as NaN, got "
+                         f"{expert_offsets.tolist()[:16]}")  # fmt: skip
 
 
 @grouped_gemm_fp8.register_fake
@@ -533,7 +538,7 @@ def _grouped_gemm_fp8_swiglu_cuda(
     V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
     swiglu_cuda = _launcher("grouped_gemm_swiglu", "grouped_gemm_fp8_swiglu_cuda")
     if _debug_checks():
-        _check_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
+        _check_gemm_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
     return swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
 
 
@@ -666,7 +671,8 @@ def _moe_from_topk(
         # align's CPU implementation refuses ids outside [-1, num_experts); the layer's rule is the GPU
         # kernel's: any id outside the local range (fused_moe_routed's are unbounded) is not local.
         offsets, row_to_token, token_to_row, counts = R.align_local(topk_ids, e_local, _MOE_ALIGNMENT, expert_offset)
-    # Padding rows stay unwritten: both GEMMs and silu_mul_quant are given the counts and skip them.
+    # Padding rows are unspecified: both GEMMs and the SwiGLU step are given the counts and skip them
+    # (the fused SwiGLU kernel writes whole tiles, padding rows included; nothing reads them).
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
     a2, a2_scale = call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, offsets, counts, gate_first,
                         act_scale_fmt)  # fmt: skip

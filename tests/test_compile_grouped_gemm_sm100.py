@@ -118,13 +118,15 @@ def test_launch_uses_the_cluster_schedule(monkeypatch):
     tile-group visits, the sm_90a kernel's schedule)."""
     seen = {}
 
-    def fake_launch(arch, compiled, cluster_n, *args):
-        seen.update(arch=arch, cluster_n=cluster_n, nargs=len(args))
+    def fake_launch(arch, compiled, cluster_n, *args, op):
+        seen.update(arch=arch, cluster_n=cluster_n, nargs=len(args), op=op)
         return "c"
 
     monkeypatch.setattr(gg, "launch", fake_launch)
     assert gg.grouped_gemm_fp8_sm100_cuda(1, 2, 3, 4, 5) == "c"
-    assert seen == {"arch": "sm_100a", "cluster_n": gg.CLUSTER_N, "nargs": 5}
+    assert seen == {"arch": "sm_100a", "cluster_n": gg.CLUSTER_N, "nargs": 5, "op": "grouped_gemm_fp8"}
+    assert gg.grouped_gemm_fp8_sm100_cuda(1, 2, 3, 4, 5, op="grouped_gemm_fp8_swiglu") == "c"
+    assert seen["op"] == "grouped_gemm_fp8_swiglu"
 
 
 def test_other_archs_have_no_variant():

@@ -4,9 +4,11 @@ The fused kernel rounds its f32 accumulators to bf16, as the GEMM stores h, and 
 ``silu_mul_quant``'s own silu and quantizer on them: its codes and scales must equal the two-kernel
 path's (``grouped_gemm_fp8`` then ``silu_mul_quant``, the op's reference composition) bit for bit on
 every real row, on the same inputs.  Outputs come from a poisoned allocator (a real row left
-unwritten is NaN).  The cases are chosen so that the launch rule takes the fused kernel (asserted):
-pairs along M and along N (I / 128 odd too: a visit past the last N tile, whose scales must not be
-written), gate first or second, f32 and ue8m0 scales, with and without expert counts.
+unwritten is NaN).  The cases are chosen so that the launch rule takes the fused kernel (asserted;
+with expert counts the cluster direction too): pairs along M and along N (I / 128 odd too: a visit
+past the last N tile, whose scales must not be written -- real rows cannot show such a write;
+``bench/sanitize.sh memcheck`` runs two of these cases), gate first or second, f32 and ue8m0
+scales, with and without expert counts.
 """
 from __future__ import annotations
 

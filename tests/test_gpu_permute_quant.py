@@ -327,6 +327,8 @@ def test_debug_index_checks(monkeypatch):
     misaligned[0] = 0
     with pytest.raises(ValueError, match=r"grouped_gemm_fp8: expert_offsets must be multiples of 128 on the GPU"):
         cute_moe.grouped_gemm_fp8(a, a_scale, b, b_scale, misaligned)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8_swiglu: expert_offsets must be multiples of 128 on the GPU"):
+        cute_moe.grouped_gemm_fp8_swiglu(a, a_scale, b, b_scale, misaligned)
     counts = (offsets[1:] - offsets[:-1]) + 1
     with pytest.raises(ValueError, match=r"silu_mul_quant: expert_counts\[e\] must lie in"):
         cute_moe.silu_mul_quant(torch.zeros(a.shape[0], 256, dtype=torch.bfloat16, device=x.device), offsets,

@@ -232,3 +232,25 @@ def test_cluster_direction_of_the_wide_tile():
     assert gs.sm90_launch_config(4 * 8192, 4, 2048, False) == (False, True, 256)
     assert not gs.cluster_along_m(32 * 512, 32, 1536, True, has_counts=False)
     assert not gs.cluster_along_m(32 * 512, 32, 2048, False, has_counts=False)
+
+
+def test_launch_errors_name_the_calling_op():
+    """grouped_gemm_fp8_swiglu runs the GEMM's launch: its refusals (before any kernel) name it."""
+    a, a_scale = torch.empty(100, 256, dtype=torch.float8_e4m3fn), torch.empty(2, 100).t()
+    b, b_scale = torch.empty(1, 256, 256, dtype=torch.float8_e4m3fn), torch.empty(1, 2, 2)
+    with pytest.raises(NotImplementedError, match=r"^cute_moe\.grouped_gemm_fp8_swiglu: .*M_cap must be a multiple"):
+        gs.launch("sm_90a", None, 2, a, a_scale, b, b_scale, None, op="grouped_gemm_fp8_swiglu")
+    with pytest.raises(NotImplementedError, match=r"^cute_moe\.grouped_gemm_fp8: "):
+        gs.launch("sm_90a", None, 2, a, a_scale, b, b_scale, None)
+    with pytest.raises(ValueError, match=r"^cute_moe\.grouped_gemm_fp8_swiglu: a_scale must be MN-major"):
+        gs.prepare_a_scale(torch.empty(128, 2), "grouped_gemm_fp8_swiglu")
+
+
+def test_swiglu_fuses_where_the_gemm_is_256_wide():
+    """DeepSeek-V3's w13 at prefill fuses; decode sizes and expert-parallel slices under 64 experts
+    (their M_cap counts every routed row) take the two kernels."""
+    dsv3_t8192, dsv3_t1, ep8_t8192 = 8192 * 8 + 256 * 127, 1 * 8 + 8 * 127, 8192 * 8 + 32 * 127  # align's M_cap
+    assert gs.sm90_swiglu_fuses(dsv3_t8192, 256, 7168, True)
+    assert not gs.sm90_swiglu_fuses(dsv3_t1, 256, 7168, True)
+    assert not gs.sm90_swiglu_fuses(ep8_t8192, 32, 7168, True)
+    assert gs.sm90_swiglu_fuses(4 * 8192, 4, 7168, False)  # contiguous segments, any number of experts

@@ -520,3 +520,54 @@ def test_import_is_light() -> None:
         "assert hasattr(torch.ops.cute_moe, 'fused_moe')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.parametrize("arch,fuses,path", [("sm_90a", True, "fused"), ("sm_90a", False, "two"),
+                                             ("sm_100a", True, "two")])
+def test_swiglu_cuda_entry_runs_one_path(monkeypatch, arch, fuses, path) -> None:
+    """The fused sm90 kernel where ``sm90_swiglu_fuses``, else the GEMM (its errors naming
+    grouped_gemm_fp8_swiglu) then silu_mul_quant; the launchers stubbed, so this runs on the CPU."""
+    pytest.importorskip("cutlass")
+    from cute_moe.kernels import grouped_gemm, grouped_gemm_sm90, grouped_gemm_swiglu, silu_mul_quant  # noqa: PLC0415
+
+    calls = []
+    monkeypatch.setattr(grouped_gemm_swiglu, "arch_of_device_index", lambda _: arch)
+    monkeypatch.setattr(grouped_gemm_swiglu, "sm90_swiglu_fuses", lambda *_: fuses)
+    monkeypatch.setattr(grouped_gemm_sm90, "grouped_gemm_fp8_swiglu_cuda", lambda *a: calls.append("fused") or "q")
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm_fp8_cuda", lambda *a, op: calls.append(("gemm", op)) or "h")
+    monkeypatch.setattr(silu_mul_quant, "silu_mul_quant_cuda", lambda h, *a: calls.append(("silu", h)) or "q2")
+    a = torch.empty(128, 256, dtype=torch.float8_e4m3fn)
+    out = grouped_gemm_swiglu.grouped_gemm_fp8_swiglu_cuda(a, None, torch.empty(4, 256, 256), None, None)
+    if path == "fused":
+        assert calls == ["fused"] and out == "q"
+    else:
+        assert calls == [("gemm", "grouped_gemm_fp8_swiglu"), ("silu", "h")] and out == "q2"
+
+
+def test_gemm_launchers_take_the_op_name(monkeypatch) -> None:
+    """Both architectures' launch functions accept the ``op`` that grouped_gemm_fp8_cuda passes on."""
+    import inspect  # noqa: PLC0415
+
+    pytest.importorskip("cutlass")
+    from cute_moe.kernels import grouped_gemm as gemm  # noqa: PLC0415
+
+    monkeypatch.setattr(gemm, "_sm100_warned", False)
+    gemm._arch_launcher.cache_clear()
+    try:
+        with pytest.warns(UserWarning):
+            sm100 = gemm._arch_launcher("sm_100a")
+        for fn in (gemm._arch_launcher("sm_90a"), sm100):
+            inspect.signature(fn).bind(*range(6), op="grouped_gemm_fp8_swiglu")
+    finally:
+        gemm._arch_launcher.cache_clear()
+
+
+def test_debug_gemm_segment_check_names_the_op() -> None:
+    """CUTE_MOE_DEBUG's segment checks, shared by both GEMM ops' CUDA paths: order, then alignment."""
+    from cute_moe.ops import _check_gemm_segments  # noqa: PLC0415
+
+    _check_gemm_segments("grouped_gemm_fp8_swiglu", torch.tensor([0, 128, 384], dtype=torch.int32), 384, None)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8_swiglu: expert_offsets must be multiples of 128"):
+        _check_gemm_segments("grouped_gemm_fp8_swiglu", torch.tensor([0, 64, 384], dtype=torch.int32), 384, None)
+    with pytest.raises(ValueError, match=r"grouped_gemm_fp8_swiglu: expert_offsets must be non-decreasing"):
+        _check_gemm_segments("grouped_gemm_fp8_swiglu", torch.tensor([0, 256, 128], dtype=torch.int32), 384, None)

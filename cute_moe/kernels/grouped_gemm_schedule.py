@@ -198,6 +198,13 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
     return bool(along_m), bool(store_behind), tile_n
 
 
+def sm90_swiglu_fuses(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
+    """Whether ``grouped_gemm_fp8_swiglu`` runs as one sm90 kernel: where the GEMM takes the 256-wide
+    tile (``wide_tile``: about one real M tile per expert or more, and with expert counts at least
+    64 experts), whose two 128-wide halves hold a gate block and its up block."""
+    return wide_tile(m_cap, num_experts, k, has_counts)
+
+
 def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True) -> bool:
     """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
     the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
@@ -461,16 +468,16 @@ def can_implement(m_cap: int, n: int, k: int) -> str | None:
     return None
 
 
-def prepare_a_scale(a_scale: torch.Tensor) -> torch.Tensor:
+def prepare_a_scale(a_scale: torch.Tensor, op: str = "grouped_gemm_fp8") -> torch.Tensor:
     """a_scale as the kernels load it: MN-major, 16-byte aligned base and column stride (the 128
-    scales of a tile and K block are copied in 16-byte pieces).  ValueError otherwise."""
+    scales of a tile and K block are copied in 16-byte pieces).  ValueError, naming ``op``, otherwise."""
     m_cap = a_scale.shape[0]
     if a_scale.shape[1] == 1 and (a_scale.stride(0) == 1 or m_cap <= 1):
         # K = 128: the column stride is never used; give it the declared divisibility.
         a_scale = a_scale.as_strided(a_scale.shape, (1, m_cap), a_scale.storage_offset())
     if a_scale.stride(0) != 1 or a_scale.data_ptr() % 16 or a_scale.stride(1) % 4:
         raise ValueError(
-            "cute_moe.grouped_gemm_fp8: a_scale must be MN-major (stride(0) == 1) with a 16-byte aligned base "
+            f"cute_moe.{op}: a_scale must be MN-major (stride(0) == 1) with a 16-byte aligned base "
             f"and stride(1) % 4 == 0 (what permute_quant and silu_mul_quant write), got strides "
             f"{tuple(a_scale.stride())}"
         )
@@ -483,30 +490,31 @@ def num_sms(device_index: int) -> int:
 
 
 def launch(arch: str, compiled, cluster_n: int, a, a_scale, b, b_scale, expert_offsets, extra=(),
-           grid_fn=None, out=None) -> torch.Tensor:  # fmt: skip
+           grid_fn=None, out=None, op: str = "grouped_gemm_fp8") -> torch.Tensor:  # fmt: skip
     """The host side both kernels share: checks, the output, the grid, the call on a's device and
     current stream.  ``compiled()`` returns the kernel's compiled function for ``arch``; ``extra``
     are its arguments between the output and the grid size; ``grid_fn(M_cap, N, #SMs)`` sizes the
     grid (default: ``launch_grid`` with ``cluster_n``).  ``out``: the output the kernel writes, given
-    (the sm90 SwiGLU variant's codes), else a bf16 [M_cap, N] one, allocated here; it is returned."""
+    (the sm90 SwiGLU variant's codes), else a bf16 [M_cap, N] one, allocated here; it is returned.
+    ``op``: the op its errors name (the GEMM runs for ``grouped_gemm_fp8_swiglu`` too)."""
     m_cap, k = a.shape
     n = b.shape[1]
     reason = can_implement(m_cap, n, k)
     if reason is not None:
-        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no {arch} kernel for this input: {reason}")
+        raise NotImplementedError(f"cute_moe.{op}: no {arch} kernel for this input: {reason}")
     c = torch.empty(m_cap, n, dtype=torch.bfloat16, device=a.device) if out is None else out
     if m_cap == 0 or b.shape[0] == 0:  # no rows, or no experts (a zero-extent TMA box cannot be encoded)
         return c
-    a_scale = prepare_a_scale(a_scale)
+    a_scale = prepare_a_scale(a_scale, op)
     if b_scale.shape[2] > 1 and b_scale.stride(2) != 1:
         raise ValueError(
-            "cute_moe.grouped_gemm_fp8: b_scale needs a unit last stride on the GPU (the [E, N/128, K/128] "
+            f"cute_moe.{op}: b_scale needs a unit last stride on the GPU (the [E, N/128, K/128] "
             f"weight_scale_inv layout), got strides {tuple(b_scale.stride())}"
         )
     device = a.get_device()
     device_arch = arch_of_device_index(device)
     if device_arch != arch:
-        raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: this kernel is for {arch}, the device is {device_arch}")
+        raise NotImplementedError(f"cute_moe.{op}: this kernel is for {arch}, the device is {device_arch}")
     grid = launch_grid(m_cap, n, num_sms(device), cluster_n) if grid_fn is None else grid_fn(m_cap, n, num_sms(device))
     compiled()(a.view(torch.uint8), b.view(torch.uint8), a_scale, b_scale, expert_offsets, c, *extra,
                grid)  # fmt: skip

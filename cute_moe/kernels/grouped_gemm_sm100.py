@@ -489,10 +489,10 @@ def compile_grouped_gemm_fp8_sm100(arch: str, keep_cubin: bool = False):
     )
 
 
-def grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale, expert_offsets):
+def grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale, expert_offsets, op: str = "grouped_gemm_fp8"):
     """Launch on a's device and current stream; inputs validated by the op layer."""
     return launch("sm_100a", lambda: compile_grouped_gemm_fp8_sm100("sm_100a"), CLUSTER_N, a, a_scale, b, b_scale,
-                  expert_offsets)  # fmt: skip
+                  expert_offsets, op=op)  # fmt: skip
 
 
 def inspect_variants(arch: str):

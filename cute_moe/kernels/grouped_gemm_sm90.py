@@ -22,6 +22,11 @@ from the shapes by ``sm90_launch_config`` (``cluster_along_m``):
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
   re-reads otherwise bound the kernel.  A pair across two experts loads B per CTA.
 
+With ``swiglu`` (``grouped_gemm_fp8_swiglu``, where ``sm90_swiglu_fuses``) the kernel is the w13 GEMM
+with ``silu_mul_quant`` in its epilogue: the 256-wide tile's halves are gate block j and up block j
+of w13, and the epilogue writes ``y = silu(gate) * up`` as FP8 codes with 1x128 scales, bit for bit
+what the two kernels write (``swiglu_epilogue``).
+
 The tile's width is the other compile-time choice (``wide_tile``): 128 x 128, or 128 x 256 at
 prefill sizes.  The wide tile costs a quarter fewer operand bytes per FLOP through L2 and TMA; it
 has room for 4 stages only (3 beside the store-behind epilogue), and its math goes by halves (below).
@@ -87,12 +92,12 @@ from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
 from .fp8_group import quantize_group_fp8
-from .silu_mul_quant import silu_mul
 from .host_checks import empty_mn_major
+from .silu_mul_quant import silu_mul
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, WIDE_TILE_N, can_implement,
     check_sm90_variant, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
-    pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords, visit_expert,
+    pair_launch_grid, pair_schedule, sm90_launch_config, sm90_swiglu_fuses, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
@@ -138,7 +143,8 @@ class ScalesIntoStages:
 
 
 class GroupedGemmFp8Sm90:
-    """Static configuration: tile shape and pipeline depth (dtypes are fixed: e4m3 in, bf16 out)."""
+    """Static configuration: tile shape, pipeline depth, epilogue (e4m3 in; bf16 out, or with
+    ``swiglu`` FP8 codes and their f32 scales)."""
 
     num_threads = 384
     can_implement = staticmethod(can_implement)
@@ -152,7 +158,8 @@ class GroupedGemmFp8Sm90:
         # up for 128 columns, one 1x128 quantization group per row, and writes FP8 codes and scales.
         self.swiglu, self.gate_first, self.ue8m0 = swiglu, gate_first, ue8m0
         if swiglu and (tile_n != WIDE_TILE_N or store_behind or not block_scaled):
-            raise ValueError("grouped_gemm_fp8 swiglu: the 256-wide tile only, without the store-behind epilogue")
+            raise ValueError("grouped_gemm_fp8 swiglu: the 256-wide tile only, block-scaled, without the store-behind "
+                             "epilogue")  # fmt: skip
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
@@ -863,8 +870,9 @@ def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
                           along_m: bool | None = None, store_behind: bool | None = None,
-                          tile_n: int | None = None):  # fmt: skip
-    """Launch on a's device and current stream; inputs validated by the op layer.
+                          tile_n: int | None = None, op: str = "grouped_gemm_fp8"):  # fmt: skip
+    """Launch on a's device and current stream; inputs validated by the op layer (``op``: the op the
+    launch's errors name).
 
     ``expert_counts`` (optional, int32 [E]): real rows per segment (``align``'s fourth output);
     a warp group whose 64 rows of a tile are all past the count skips its math, and a tile with at
@@ -881,27 +889,25 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     else:
         grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=tile_n)
     return launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-                  (expert_counts if has_counts else expert_offsets, expert_offsets), grid_fn=grid_fn)  # fmt: skip
+                  (expert_counts if has_counts else expert_offsets, expert_offsets), grid_fn=grid_fn, op=op)  # fmt: skip
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, gate_first: bool = True,
                                  scale_fmt: str | None = None):  # fmt: skip
     """The w13 GEMM and ``silu_mul_quant`` in one kernel: ``(q [M_cap, I] e4m3, scales [M_cap, I/128] f32,
-    MN-major)`` from ``b`` = w13 [E, 2I, K].  Where ``sm90_launch_config`` does not pick the 256-wide
-    tile (decode sizes), the GEMM and ``silu_mul_quant``'s kernel run one after the other.  Where it
-    would store behind (K <= 2048), the fused kernel keeps its 4 stages: its one 16 KB TMA store per
-    tile is waited for only by the next tile's epilogue, which is what the store-behind epilogue
-    buys for the bf16 tile.  Numerics: the two kernels', bit for bit (h rounded to bf16, then
-    ``silu_mul_quant``'s silu and quantizer)."""
+    MN-major)`` from ``b`` = w13 [E, 2I, K], where ``sm90_swiglu_fuses`` (the caller, ``grouped_gemm_swiglu``,
+    runs the two kernels elsewhere).  Where the plain GEMM would store behind (K <= 2048), this one
+    keeps its 4 stages: its one 16 KB TMA store per tile is waited for only by the next tile's
+    epilogue, which is what the store-behind epilogue buys for the bf16 tile.  Numerics: the two
+    kernels', bit for bit (h rounded to bf16, then ``silu_mul_quant``'s silu and quantizer).  Codes
+    and scales of every row of a visited tile are written, padding rows included (unspecified)."""
     has_counts = expert_counts is not None
     m_cap, k = a.shape
     n = b.shape[1]
-    along_m, _, tile_n = sm90_launch_config(m_cap, b.shape[0], k, has_counts)
-    if tile_n != WIDE_TILE_N or n % (2 * WGMMA_N):
-        from .silu_mul_quant import silu_mul_quant_cuda  # noqa: PLC0415
-
-        h = grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
-        return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
+    if not sm90_swiglu_fuses(m_cap, b.shape[0], k, has_counts):
+        raise ValueError("cute_moe.grouped_gemm_fp8_swiglu: the fused sm90 kernel runs where the GEMM takes the "
+                         "256-wide tile only (sm90_swiglu_fuses)")  # fmt: skip
+    along_m, _, _ = sm90_launch_config(m_cap, b.shape[0], k, has_counts)
     q = torch.empty(m_cap, n // 2, dtype=torch.float8_e4m3fn, device=a.device)
     scales = empty_mn_major(m_cap, n // 2 // WGMMA_N, a.device)
     key = ("sm_90a", False, True, has_counts, along_m, False, WIDE_TILE_N, True, gate_first, scale_fmt == "ue8m0")
@@ -910,7 +916,8 @@ def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_
     else:
         grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=WIDE_TILE_N)
     launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-           (expert_counts if has_counts else expert_offsets, scales), grid_fn=grid_fn, out=q.view(torch.uint8))  # fmt: skip
+           (expert_counts if has_counts else expert_offsets, scales), grid_fn=grid_fn, out=q.view(torch.uint8),
+           op="grouped_gemm_fp8_swiglu")  # fmt: skip
     return q, scales
 
 

@@ -1,32 +1,39 @@
 """grouped_gemm_fp8_swiglu's CUDA entry point: the w13 GEMM with ``silu_mul_quant`` in its epilogue.
 
-``sm_90a``: ``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda`` (the 256-wide tile's halves hold a
-gate block and its up block).  Other architectures run ``grouped_gemm_fp8``'s kernel and then
-``silu_mul_quant``'s, the same two steps as before the fusion.
+``sm_90a``, where ``grouped_gemm_schedule.sm90_swiglu_fuses`` (the GEMM takes the 128x256 tile:
+about one real M tile per expert or more, and with expert counts at least 64 experts): one kernel,
+``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda`` (the tile's halves hold a gate block and its up
+block).  Everywhere else (decode sizes, expert-parallel slices of fewer than 64 experts, sm_100a)
+``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s.  The results are the same bits.
 """
 from __future__ import annotations
 
 import torch
 
 from ..compiler import arch_of_device_index
+from .grouped_gemm_schedule import sm90_swiglu_fuses
+
+_OP = "grouped_gemm_fp8_swiglu"
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts=None, gate_first=True,
                                  scale_fmt=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    if arch_of_device_index(a.get_device()) == "sm_90a":
+    if arch_of_device_index(a.get_device()) == "sm_90a" and sm90_swiglu_fuses(
+            a.shape[0], w13.shape[0], a.shape[1], expert_counts is not None):  # fmt: skip
         from .grouped_gemm_sm90 import grouped_gemm_fp8_swiglu_cuda as fused  # noqa: PLC0415
 
         return fused(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
     from .grouped_gemm import grouped_gemm_fp8_cuda  # noqa: PLC0415
     from .silu_mul_quant import silu_mul_quant_cuda  # noqa: PLC0415
 
-    h = grouped_gemm_fp8_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts)
+    h = grouped_gemm_fp8_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, op=_OP)
     return silu_mul_quant_cuda(h, expert_offsets, gate_first, scale_fmt, expert_counts)
 
 
 def inspect_variants(arch: str):
-    """sm_90a: the fused kernel's variants.  Elsewhere the op is the two kernels: theirs, so that
-    ``python -m cute_moe.inspect grouped_gemm_fp8_swiglu`` lists what runs on every architecture."""
+    """sm_90a: the fused kernel's variants with expert counts (as fused_moe runs it at prefill; the
+    op's smaller launches there are ``grouped_gemm_fp8``'s and ``silu_mul_quant``'s kernels, listed
+    under those ops).  sm_100a, which has no fused kernel: the two kernels the op runs."""
     if arch == "sm_90a":
         from . import grouped_gemm_sm90  # noqa: PLC0415
 
