@@ -405,7 +405,8 @@ def fused_moe_routed(
     apply_router_weight_on_input: bool = False,
 ) -> Tensor:
     """A whole FP8 MoE layer from precomputed top-k:
-    align -> permute_quant -> grouped_gemm_fp8(w13) -> silu_mul_quant -> grouped_gemm_fp8(w2) -> finalize.
+    align -> permute_quant -> grouped_gemm_fp8_swiglu(w13) -> grouped_gemm_fp8(w2) -> finalize
+    (:func:`grouped_gemm_fp8_swiglu` is the w13 GEMM then :func:`silu_mul_quant`, one kernel where it can).
 
     Args:
         x: ``[T, H]`` bf16 or fp16, ``H % 128 == 0``, ``H >= 128``; on the GPU rows 16-byte aligned.

@@ -2,8 +2,8 @@
 
 The module holds the routed experts' FP8 weights and their 128x128 f32 block scales
 as buffers, in the layout of the README's "Layouts" section, and its ``forward`` is one call of
-:func:`cute_moe.functional.fused_moe` (route -> align -> permute_quant -> GEMM ->
-silu_mul_quant -> GEMM -> finalize), so it traces under
+:func:`cute_moe.functional.fused_moe` (route -> align -> permute_quant -> GEMM with SwiGLU
+re-quant -> GEMM -> finalize), so it traces under
 ``torch.compile(fullgraph=True)`` and runs wherever the ops run (the CPU reference
 on a machine without a GPU).
 
