@@ -4,9 +4,9 @@
     python bench/bench_host_overhead.py [--calls N]
 
 DeepSeek-V3 shapes at T=1 (H=7168, E=256, k=8, I=2048); the KV fill is a decode step of B=1.
-grouped_gemm_fp8 runs on a small problem (K=512, N=256): at DeepSeek-V3's w13 shape its GPU time
-(~40 µs) exceeds the host time and the loop would time the GPU; the host path does not depend on
-the sizes.  Two paths per op: ``torch.ops.cute_moe.<op>`` (through the dispatcher) and the
+grouped_gemm_fp8 and grouped_gemm_fp8_swiglu run on a small problem (K=512, N=256): at
+DeepSeek-V3's w13 shape the GEMM's GPU time (~40 µs) exceeds the host time and the loop would time
+the GPU; the host path does not depend on the sizes.  Two paths per op: ``torch.ops.cute_moe.<op>`` (through the dispatcher) and the
 functional API's eager path (``cute_moe.<op>``: the op's CUDA implementation called directly).
 Targets: <= 15 µs per op (issue 5), <= 10 µs for grouped_gemm_fp8 (issue 3).
 
@@ -63,6 +63,7 @@ def cases(ops=None):
     a_small, a_small_s = ops.permute_quant(x[:, :512].contiguous(), r2t, off, None)
     b_small = torch.randn(E, 256, 512, device=dev).to(torch.float8_e4m3fn)
     b_small_s = torch.rand(E, 2, 4, device=dev)
+    w13_small, w13_small_s = quant_block_128x128_ref(torch.randn(E, 256, 512, device=dev) * 0.05)  # 2I = 256
     y = torch.randn(a2.shape[0], H, device=dev, dtype=torch.bfloat16)
     hidden = torch.randn(1, K, H, device=dev, dtype=torch.bfloat16)
     kc = torch.zeros(16, 64, 8, 128, device=dev, dtype=torch.float8_e4m3fn)
@@ -87,6 +88,9 @@ def cases(ops=None):
         "permute_quant": lambda: ops.permute_quant(x, r2t, off, None),
         "grouped_gemm_fp8": lambda: ops.grouped_gemm_fp8(a_small, a_small_s, b_small, b_small_s, off, counts),
         "silu_mul_quant": lambda: ops.silu_mul_quant(h, off, True, None),
+        # at T=1 the GEMM and silu_mul_quant's kernels (the fused kernel is for prefill)
+        "grouped_gemm_fp8_swiglu": lambda: ops.grouped_gemm_fp8_swiglu(a_small, a_small_s, w13_small, w13_small_s, off,
+                                                                       counts, True, None),  # fmt: skip
         "finalize": lambda: ops.finalize(y, w, t2r),
         "moe_reduce": lambda: ops.moe_reduce(hidden, w, False),
         "fill_kv_cache_fp8": lambda: ops.fill_kv_cache_fp8(k_new, v_new, kc, vc, ksc, vsc, cu, kv_len, blocks,
