@@ -500,15 +500,24 @@ def validate_grouped_gemm_fp8(
     expert_offsets: Tensor,
     expert_counts: Optional[Tensor] = None,
 ) -> None:
-    op = "grouped_gemm_fp8"
-    E, _, _ = _check_gemm(op, a, a_scale, b, b_scale, ("a", "a_scale", "b", "b_scale"))
-    _offsets(op, "expert_offsets", expert_offsets, E, "E = b.shape[0]")
+    _check_grouped_gemm("grouped_gemm_fp8", ("a", "a_scale", "b", "b_scale"), a, a_scale, b, b_scale, expert_offsets,
+                        expert_counts)  # fmt: skip
+
+
+def _check_grouped_gemm(op: str, names: tuple[str, str, str, str], a: Tensor, a_scale: Tensor, b: Tensor,
+                        b_scale: Tensor, expert_offsets: Tensor,
+                        expert_counts: Optional[Tensor]) -> tuple[int, int, int]:  # fmt: skip
+    """Both grouped GEMM ops' operands (``names``: how the op calls a, a_scale, b, b_scale), segments
+    and devices; returns (E, N, K)."""
+    E, N, K = _check_gemm(op, a, a_scale, b, b_scale, names)
+    experts = f"E = {names[2]}.shape[0]"
+    _offsets(op, "expert_offsets", expert_offsets, E, experts)
     if check_tensor(op, "expert_counts", expert_counts, optional=True):
         _tensor(op, "expert_counts", expert_counts, torch.int32, 1, "[E]")
-        check_shape(op, "expert_counts", expert_counts, (E,), "[E] (E = b.shape[0])")
-    check_same_device(
-        op, a=a, a_scale=a_scale, b=b, b_scale=b_scale, expert_offsets=expert_offsets, expert_counts=expert_counts
-    )
+        check_shape(op, "expert_counts", expert_counts, (E,), f"[E] ({experts})")
+    check_same_device(op, **dict(zip(names, (a, a_scale, b, b_scale))), expert_offsets=expert_offsets,
+                      expert_counts=expert_counts)  # fmt: skip
+    return E, N, K
 
 
 def validate_grouped_gemm_fp8_swiglu(
@@ -522,19 +531,12 @@ def validate_grouped_gemm_fp8_swiglu(
     scale_fmt: Optional[str] = None,
 ) -> None:
     op = "grouped_gemm_fp8_swiglu"
-    E, N, _ = _check_gemm(op, a, a_scale, w13, w13_scale, ("a", "a_scale", "w13", "w13_scale"))
+    _, N, _ = _check_grouped_gemm(op, ("a", "a_scale", "w13", "w13_scale"), a, a_scale, w13, w13_scale,
+                                  expert_offsets, expert_counts)  # fmt: skip
     if N % (2 * ACT_GROUP_SIZE) != 0:
         _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {N}")
-    _offsets(op, "expert_offsets", expert_offsets, E, "E = w13.shape[0]")
-    if check_tensor(op, "expert_counts", expert_counts, optional=True):
-        _tensor(op, "expert_counts", expert_counts, torch.int32, 1, "[E]")
-        check_shape(op, "expert_counts", expert_counts, (E,), "[E] (E = w13.shape[0])")
     check_bool(op, "gate_first", gate_first)
     check_scale_fmt(op, "scale_fmt", scale_fmt)
-    check_same_device(
-        op, a=a, a_scale=a_scale, w13=w13, w13_scale=w13_scale, expert_offsets=expert_offsets,
-        expert_counts=expert_counts,
-    )  # fmt: skip
 
 
 def validate_silu_mul_quant(

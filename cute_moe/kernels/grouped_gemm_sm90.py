@@ -96,8 +96,8 @@ from .host_checks import empty_mn_major
 from .silu_mul_quant import silu_mul
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, WIDE_TILE_N, can_implement,
-    check_sm90_variant, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
-    pair_launch_grid, pair_schedule, sm90_launch_config, sm90_swiglu_fuses, valid_tiles, visit_coords, visit_expert,
+    check_sm90_variant, cluster_along_m, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
+    pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
@@ -884,40 +884,42 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     along_m, store_behind, tile_n = sm90_launch_config(a.shape[0], b.shape[0], a.shape[1], has_counts, along_m,
                                                        store_behind, tile_n)  # fmt: skip
     key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind, tile_n)
+    return _launch(key, a, a_scale, b, b_scale, expert_offsets, expert_counts, expert_offsets, op=op)
+
+
+def _launch(key: tuple, a, a_scale, b, b_scale, expert_offsets, expert_counts, scales_out, out=None,
+            op: str = "grouped_gemm_fp8"):  # fmt: skip
+    """``launch`` of ``compile_grouped_gemm_fp8(*key)`` with its grid (pairs along M or N: ``key``'s
+    along_m, tile width ``key[6]``); ``scales_out``: the kernel's ``mQS`` (the SwiGLU scales, or any
+    int32 tensor: the offsets)."""
+    along_m, tile_n = key[4], key[6]
     if along_m:
         grid_fn = functools.partial(pair_launch_grid, tile_n=tile_n)
     else:
         grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=tile_n)
     return launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-                  (expert_counts if has_counts else expert_offsets, expert_offsets), grid_fn=grid_fn, op=op)  # fmt: skip
+                  (expert_offsets if expert_counts is None else expert_counts, scales_out), grid_fn=grid_fn, out=out,
+                  op=op)  # fmt: skip
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, gate_first: bool = True,
                                  scale_fmt: str | None = None):  # fmt: skip
     """The w13 GEMM and ``silu_mul_quant`` in one kernel: ``(q [M_cap, I] e4m3, scales [M_cap, I/128] f32,
-    MN-major)`` from ``b`` = w13 [E, 2I, K], where ``sm90_swiglu_fuses`` (the caller, ``grouped_gemm_swiglu``,
-    runs the two kernels elsewhere).  Where the plain GEMM would store behind (K <= 2048), this one
+    MN-major)`` from ``b`` = w13 [E, 2I, K].  Its caller (``grouped_gemm_swiglu``) launches it where
+    ``sm90_swiglu_fuses`` (the shapes its GPU tests cover) and runs the two kernels elsewhere.  Where
+    the plain GEMM would store behind (K <= 2048), this one
     keeps its 4 stages: its one 16 KB TMA store per tile is waited for only by the next tile's
     epilogue, which is what the store-behind epilogue buys for the bf16 tile.  Numerics: the two
     kernels', bit for bit (h rounded to bf16, then ``silu_mul_quant``'s silu and quantizer).  Codes
     and scales of every row of a visited tile are written, padding rows included (unspecified)."""
     has_counts = expert_counts is not None
-    m_cap, k = a.shape
-    n = b.shape[1]
-    if not sm90_swiglu_fuses(m_cap, b.shape[0], k, has_counts):
-        raise ValueError("cute_moe.grouped_gemm_fp8_swiglu: the fused sm90 kernel runs where the GEMM takes the "
-                         "256-wide tile only (sm90_swiglu_fuses)")  # fmt: skip
-    along_m, _, _ = sm90_launch_config(m_cap, b.shape[0], k, has_counts)
-    q = torch.empty(m_cap, n // 2, dtype=torch.float8_e4m3fn, device=a.device)
-    scales = empty_mn_major(m_cap, n // 2 // WGMMA_N, a.device)
+    (m_cap, k), inter = a.shape, b.shape[1] // 2
+    along_m = cluster_along_m(m_cap, b.shape[0], k, True, has_counts)
+    q = torch.empty(m_cap, inter, dtype=torch.float8_e4m3fn, device=a.device)
+    scales = empty_mn_major(m_cap, inter // WGMMA_N, a.device)
     key = ("sm_90a", False, True, has_counts, along_m, False, WIDE_TILE_N, True, gate_first, scale_fmt == "ue8m0")
-    if along_m:
-        grid_fn = functools.partial(pair_launch_grid, tile_n=WIDE_TILE_N)
-    else:
-        grid_fn = functools.partial(launch_grid, cluster_n=CLUSTER_N, tile_n=WIDE_TILE_N)
-    launch("sm_90a", lambda: compile_grouped_gemm_fp8(*key), CLUSTER_N, a, a_scale, b, b_scale, expert_offsets,
-           (expert_counts if has_counts else expert_offsets, scales), grid_fn=grid_fn, out=q.view(torch.uint8),
-           op="grouped_gemm_fp8_swiglu")  # fmt: skip
+    _launch(key, a, a_scale, b, b_scale, expert_offsets, expert_counts, scales, out=q.view(torch.uint8),
+            op="grouped_gemm_fp8_swiglu")
     return q, scales
 
 
