@@ -258,6 +258,7 @@ def grouped_gemm_fp8(
     expert_offsets: Tensor,
     *,
     expert_counts: Optional[Tensor] = None,
+    expected_m: Optional[int] = None,
 ) -> Tensor:
     """Grouped FP8 GEMM with DeepSeek-V3 block scales: ``C[rows of e] = A @ B[e]^T``.
 
@@ -277,6 +278,11 @@ def grouped_gemm_fp8(
             ``count_e`` the rows of expert e, which are also the ``expert_counts``.
         expert_counts: optional ``[E]`` int32, rows of segment e that hold data (``align``'s fourth
             output); the rest of the segment is padding, and the kernel may skip it.
+        expected_m: optional int >= 0, the real rows an expert is expected to hold (DeepGEMM's
+            ``expected_m``): the H100/H200 kernel picks its tile and cluster shape from it.  By
+            default it is estimated from ``M_cap``, which overcounts on an expert-parallel slice
+            (``M_cap`` sized for every routed row): there pass ``T * top_k // num_experts``, as
+            :func:`fused_moe` does.  A hint only: the result is the same either way.
 
     On the GPU: ``M_cap % 128 == 0`` (``NotImplementedError`` otherwise) and every segment's length a
     multiple of 128 (``align(..., alignment=128)``): the kernel cannot check that without a host sync,
@@ -286,7 +292,7 @@ def grouped_gemm_fp8(
         ``c``: ``[M_cap, N]`` bf16 (f32 accumulation); rows outside the segments unspecified (the
         GPU may write some of them), and with ``expert_counts`` padding rows unspecified too.
     """
-    return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
 
 
 @_api
@@ -300,6 +306,7 @@ def grouped_gemm_fp8_swiglu(
     expert_counts: Optional[Tensor] = None,
     gate_first: bool = True,
     scale_fmt: Optional[str] = None,
+    expected_m: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
     """The MoE layer's first GEMM and its SwiGLU in one step: :func:`grouped_gemm_fp8` with
     ``b = w13`` ([E, 2I, K], gate rows first unless ``gate_first=False``), then
@@ -307,10 +314,11 @@ def grouped_gemm_fp8_swiglu(
 
     Returns ``(a2 [M_cap, I] float8_e4m3fn, a2_scale [M_cap, I/128] f32, MN-major)``, what the second
     GEMM loads.  ``I % 128 == 0``.  On the H100/H200, where the GEMM takes its 128x256 tile (about
-    one real M tile per expert or more; with ``expert_counts`` also at least 64 experts), one kernel
+    one real M tile per expert or more, from ``expected_m`` as for :func:`grouped_gemm_fp8`; with
+    ``expert_counts`` and no ``expected_m`` also at least 64 experts), one kernel
     computes it, with the GEMM's output rounded to bf16 in registers as the two steps round it in
-    memory: the same codes and scales, bit for bit.  Elsewhere (the CPU, decode sizes,
-    expert-parallel slices of fewer than 64 experts, other GPUs) it is those two steps.  Rows outside
+    memory: the same codes and scales, bit for bit.  Elsewhere (the CPU, decode sizes, fewer than 64
+    experts with ``expert_counts`` and no ``expected_m``, other GPUs) it is those two steps.  Rows outside
     the segments (and with ``expert_counts`` padding rows) are unspecified; the fused kernel writes
     the padding rows of the tiles it visits, the two steps do not.
 
@@ -319,7 +327,7 @@ def grouped_gemm_fp8_swiglu(
     that breaks it comes out as NaN), ``a_scale`` MN-major.
     """
     return _call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first,
-                 scale_fmt)  # fmt: skip
+                 scale_fmt, expected_m)  # fmt: skip
 
 
 @_api
@@ -403,6 +411,7 @@ def fused_moe_routed(
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
     apply_router_weight_on_input: bool = False,
+    num_experts: Optional[int] = None,
 ) -> Tensor:
     """A whole FP8 MoE layer from precomputed top-k:
     align -> permute_quant -> grouped_gemm_fp8_swiglu(w13) -> grouped_gemm_fp8(w2) -> finalize
@@ -428,6 +437,12 @@ def fused_moe_routed(
             convention (vLLM's flag of the same name; ``w`` is rounded to x's dtype and the product
             too, as both compute it). The SwiGLU makes the two differ. With ``k > 1`` each slot runs
             as a token of its own: ``k`` scaled copies of ``x`` (``[T*k, H]``) are made.
+        num_experts: optional global expert count (vLLM's ``global_num_experts``), at least
+            ``expert_offset + E_local``.  A performance hint: the GEMMs then size their tiles for
+            ``T * k // num_experts`` rows per expert (``grouped_gemm_fp8``'s ``expected_m``) instead of
+            estimating from a capacity that counts every routed row as local, which on an
+            expert-parallel slice reads EP x the real rows.  The result is the same either way; ids
+            are not checked against it.
 
     Returns:
         ``out``: ``[T, H]`` in x's dtype (finalize sums in f32 and rounds to bf16; fp16 output is
@@ -435,7 +450,7 @@ def fused_moe_routed(
     """
     return _ops.fused_moe_routed(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
-        apply_router_weight_on_input,
+        apply_router_weight_on_input, num_experts,
     )  # fmt: skip
 
 

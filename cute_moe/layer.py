@@ -304,6 +304,7 @@ class FusedMoE(torch.nn.Module):
             gate_first=self.gate_first,
             act_scale_fmt=self.act_scale_fmt,
             apply_router_weight_on_input=self.apply_router_weight_on_input,
+            num_experts=self.num_experts,
         )
         return out.reshape(*lead, self.hidden_size)
 

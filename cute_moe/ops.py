@@ -62,8 +62,8 @@ _FP8 = V.FP8_DTYPE
 _G = V.ACT_GROUP_SIZE
 _GEMM_SEGMENT_ALIGNMENT = 128  # the GPU GEMM's tile M: its segments must start on multiples of it
 _MOE_ALIGNMENT = _GEMM_SEGMENT_ALIGNMENT  # row alignment fused_moe(_routed) uses for align()
-# fused_moe_routed gets global expert ids but not the global expert count; any id
-# >= expert_offset + E_local is simply "not local", so it passes this bound to align.
+# fused_moe_routed gets global expert ids, and the global expert count only as an optional hint;
+# any id >= expert_offset + E_local is simply "not local", so it passes this bound to align.
 _ANY_EXPERT = V.INT32_MAX
 
 
@@ -464,8 +464,9 @@ def grouped_gemm_fp8(
     b_scale: Tensor,
     expert_offsets: Tensor,
     expert_counts: Optional[Tensor] = None,
+    expected_m: Optional[int] = None,
 ) -> Tensor:
-    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
     _check_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
     return R.grouped_gemm_fp8_ref(a, a_scale, b, b_scale, expert_offsets, expert_counts).contiguous()
 
@@ -478,12 +479,13 @@ def _grouped_gemm_fp8_cuda(
     b_scale: Tensor,
     expert_offsets: Tensor,
     expert_counts: Optional[Tensor] = None,
+    expected_m: Optional[int] = None,
 ) -> Tensor:
-    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
     grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
     if _debug_checks():
         _check_gemm_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
-    return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts)
+    return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
 
 
 def _check_gemm_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor]) -> None:
@@ -516,8 +518,10 @@ def grouped_gemm_fp8_swiglu(
     expert_counts: Optional[Tensor] = None,
     gate_first: bool = True,
     scale_fmt: Optional[str] = None,
+    expected_m: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt,
+                                       expected_m)  # fmt: skip
     _check_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
     a2, s = R.grouped_gemm_fp8_swiglu_ref(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first,
                                           scale_fmt)  # fmt: skip
@@ -534,12 +538,14 @@ def _grouped_gemm_fp8_swiglu_cuda(
     expert_counts: Optional[Tensor] = None,
     gate_first: bool = True,
     scale_fmt: Optional[str] = None,
+    expected_m: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
-    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+    V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt,
+                                       expected_m)  # fmt: skip
     swiglu_cuda = _launcher("grouped_gemm_swiglu", "grouped_gemm_fp8_swiglu_cuda")
     if _debug_checks():
         _check_gemm_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
-    return swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt)
+    return swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt, expected_m)
 
 
 @grouped_gemm_fp8_swiglu.register_fake
@@ -652,9 +658,15 @@ def _moe_from_topk(
     gate_first: bool,
     act_scale_fmt: Optional[str],
     weight_on_input: bool,
+    routed_experts: Optional[int],
 ) -> Tensor:
+    """``num_experts``: align's bound on the ids; ``routed_experts``: the global expert count where
+    known (fused_moe_routed may not know it)."""
     e_local = w13.shape[0]
     T, k = topk_ids.shape
+    # Rows per expert under even routing, for the GEMMs' launch rule: M_cap cannot tell it on an
+    # expert-parallel slice (sized for every routed row).
+    expected_m = None if routed_experts is None else T * k // routed_experts
     topk_weights = topk_weights.float()  # finalize takes f32; 16-bit weights convert exactly
     if weight_on_input:
         # HF Llama-4's convention (vLLM's apply_router_weight_on_input): expert j of token t sees
@@ -675,8 +687,8 @@ def _moe_from_topk(
     # (the fused SwiGLU kernel writes whole tiles, padding rows included; nothing reads them).
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
     a2, a2_scale = call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, offsets, counts, gate_first,
-                        act_scale_fmt)  # fmt: skip
-    y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts)
+                        act_scale_fmt, expected_m)  # fmt: skip
+    y = call("grouped_gemm_fp8", a2, a2_scale, w2, w2_scale, offsets, counts, expected_m)
     out = call("finalize", y, topk_weights, token_to_row.reshape(T, k))
     # finalize writes bf16; fp16 hidden states get one conversion pass (bf16's 8 mantissa bits are
     # far below the FP8 activations' error)
@@ -696,14 +708,15 @@ def fused_moe_routed(
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
     apply_router_weight_on_input: bool = False,
+    num_experts: Optional[int] = None,
 ) -> Tensor:
     on_input = V.validate_fused_moe_routed(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
-        apply_router_weight_on_input,
+        apply_router_weight_on_input, num_experts,
     )  # fmt: skip
     return _moe_from_topk(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _ANY_EXPERT, expert_offset, gate_first, act_scale_fmt,
-        on_input,
+        on_input, num_experts,
     )  # fmt: skip
 
 
@@ -739,7 +752,7 @@ def fused_moe(
     ids, w = call("route", router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor)
     e_global = router_logits.shape[1]
     return _moe_from_topk(
-        x, ids, w, w13, w13_scale, w2, w2_scale, e_global, expert_offset, gate_first, act_scale_fmt, on_input
+        x, ids, w, w13, w13_scale, w2, w2_scale, e_global, expert_offset, gate_first, act_scale_fmt, on_input, e_global
     )
 
 

@@ -499,16 +499,17 @@ def validate_grouped_gemm_fp8(
     b_scale: Tensor,
     expert_offsets: Tensor,
     expert_counts: Optional[Tensor] = None,
+    expected_m: Optional[int] = None,
 ) -> None:
     _check_grouped_gemm("grouped_gemm_fp8", ("a", "a_scale", "b", "b_scale"), a, a_scale, b, b_scale, expert_offsets,
-                        expert_counts)  # fmt: skip
+                        expert_counts, expected_m)  # fmt: skip
 
 
 def _check_grouped_gemm(op: str, names: tuple[str, str, str, str], a: Tensor, a_scale: Tensor, b: Tensor,
-                        b_scale: Tensor, expert_offsets: Tensor,
-                        expert_counts: Optional[Tensor]) -> tuple[int, int, int]:  # fmt: skip
-    """Both grouped GEMM ops' operands (``names``: how the op calls a, a_scale, b, b_scale), segments
-    and devices; returns (E, N, K)."""
+                        b_scale: Tensor, expert_offsets: Tensor, expert_counts: Optional[Tensor],
+                        expected_m: Optional[int]) -> tuple[int, int, int]:  # fmt: skip
+    """Both grouped GEMM ops' operands (``names``: how the op calls a, a_scale, b, b_scale), segments,
+    devices and launch hint; returns (E, N, K)."""
     E, N, K = _check_gemm(op, a, a_scale, b, b_scale, names)
     experts = f"E = {names[2]}.shape[0]"
     _offsets(op, "expert_offsets", expert_offsets, E, experts)
@@ -517,6 +518,8 @@ def _check_grouped_gemm(op: str, names: tuple[str, str, str, str], a: Tensor, a_
         check_shape(op, "expert_counts", expert_counts, (E,), f"[E] ({experts})")
     check_same_device(op, **dict(zip(names, (a, a_scale, b, b_scale))), expert_offsets=expert_offsets,
                       expert_counts=expert_counts)  # fmt: skip
+    if expected_m is not None:
+        check_int(op, "expected_m", expected_m, min=0)
     return E, N, K
 
 
@@ -529,10 +532,11 @@ def validate_grouped_gemm_fp8_swiglu(
     expert_counts: Optional[Tensor] = None,
     gate_first: bool = True,
     scale_fmt: Optional[str] = None,
+    expected_m: Optional[int] = None,
 ) -> None:
     op = "grouped_gemm_fp8_swiglu"
     _, N, _ = _check_grouped_gemm(op, ("a", "a_scale", "w13", "w13_scale"), a, a_scale, w13, w13_scale,
-                                  expert_offsets, expert_counts)  # fmt: skip
+                                  expert_offsets, expert_counts, expected_m)  # fmt: skip
     if N % (2 * ACT_GROUP_SIZE) != 0:
         _fail(op, f"w13.shape[1] = 2I must have I divisible by {ACT_GROUP_SIZE}, got 2I = {N}")
     check_bool(op, "gate_first", gate_first)
@@ -635,6 +639,7 @@ def validate_fused_moe_routed(
     gate_first: bool = True,
     act_scale_fmt: Optional[str] = None,
     apply_router_weight_on_input: bool = False,
+    num_experts: Optional[int] = None,
 ) -> bool:
     """Returns ``apply_router_weight_on_input``."""
     op = "fused_moe_routed"
@@ -642,6 +647,11 @@ def validate_fused_moe_routed(
     # 16-bit weights (an HF router's, in a bf16 model) are taken: the layer converts them to f32, exactly
     _check_topk_pair(op, topk_weights, topk_ids, "topk_weights", "topk_ids", T=x.shape[0], w_dtypes=_FLOAT_ACT)
     check_int(op, "expert_offset", expert_offset, min=0, max=INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
+    if num_experts is not None:
+        check_int(op, "num_experts", num_experts, min=1)
+        if expert_offset + e_local > num_experts:
+            _fail(op, f"expert_offset + E_local (w13.shape[0]) must be <= num_experts = {num_experts}, "
+                      f"got {expert_offset} + {e_local}")  # fmt: skip
     if x.is_cuda and x.shape[0] and topk_ids.shape[1] > _GPU_MAX_TOPK:  # T = 0 launches nothing
         # Checked here, not by finalize at the end, so that nothing has launched yet.
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= {_GPU_MAX_TOPK} on the GPU, got {topk_ids.shape[1]}",

@@ -73,3 +73,34 @@ def test_fused_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
     assert torch.equal(sr, s2r), f"{(sr != s2r).sum().item()} scales differ"
     assert torch.equal(qr.view(torch.uint8), q2r.view(torch.uint8)), \
         f"{(qr.view(torch.uint8) != q2r.view(torch.uint8)).sum().item()} codes differ"
+
+
+def test_expected_m_changes_the_launch_not_the_result():
+    """An expert-parallel slice (32 local experts of 256, M_cap sized for every routed row, as align
+    sizes it): M_cap's estimate reads 8x the real rows, and under 64 experts the rule takes the
+    128-wide tile and two kernels; with fused_moe's ``expected_m`` (T * k // 256) the wide tile,
+    paired along M at K = 4096, and the fused kernel.  Both ops' real rows are the same bits either
+    way (the GEMM's K order is the same in every variant)."""
+    E, rows, inter, K, T = 32, 256, 256, 4096, 8192
+    counts = deepgemm_counts(E, rows, random.Random(11))
+    m_cap = -(-(T * 8 + E * 127) // 128) * 128
+    routing = routing_from_counts(counts, m_cap)
+    expected_m = T * 8 // 256
+    assert gs.sm90_launch_config(m_cap, E, K, True) == (False, False, gs.TILE_N)
+    assert gs.sm90_launch_config(m_cap, E, K, True, expected_m=expected_m) == (True, False, gs.WIDE_TILE_N)
+    assert gs.sm90_swiglu_fuses(m_cap, E, K, True, expected_m) and not gs.sm90_swiglu_fuses(m_cap, E, K, True)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w13, w13_scale = expert_weights(E, 2 * inter, K, g)
+    a, a_scale = activations(routing, K, g)
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
+    op = torch.ops.cute_moe
+    real = routing.real
+    poison_pools(max(256 << 20, m_cap * inter * 8))
+    h = op.grouped_gemm_fp8(a, a_scale, w13, w13_scale, routing.offsets, cnt)
+    h_hint = op.grouped_gemm_fp8(a, a_scale, w13, w13_scale, routing.offsets, cnt, expected_m)
+    assert not h_hint[real].isnan().any() and torch.equal(h[real], h_hint[real])
+    q, s = op.grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, routing.offsets, cnt, True, None)
+    q_hint, s_hint = op.grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, routing.offsets, cnt, True, None,
+                                                expected_m)  # fmt: skip
+    assert not s_hint[real].isnan().any() and torch.equal(s[real], s_hint[real])
+    assert torch.equal(q[real].view(torch.uint8), q_hint[real].view(torch.uint8))

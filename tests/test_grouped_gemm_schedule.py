@@ -254,3 +254,48 @@ def test_swiglu_fuses_where_the_gemm_is_256_wide():
     assert not gs.sm90_swiglu_fuses(dsv3_t1, 256, 7168, True)
     assert not gs.sm90_swiglu_fuses(ep8_t8192, 32, 7168, True)
     assert gs.sm90_swiglu_fuses(4 * 8192, 4, 7168, False)  # contiguous segments, any number of experts
+
+
+def test_expected_m_replaces_the_estimate():
+    """With ``expected_m`` (fused_moe: T * k // E over all experts) the rules read the real rows per
+    expert instead of M_cap's estimate, which overcounts an expert-parallel slice by its factor;
+    and the guard against fewer than 64 experts, which exists for that overcount, is lifted."""
+    def m_cap(t, e_local):  # align's static M_cap: every routed row may be local
+        return -(-(t * 8 + min(t * 8, e_local) * 127) // 128) * 128
+
+    # DeepSeek-V3's EP8 slice (32 of 256 experts) at T = 8192: two real M tiles per expert.
+    ep8 = m_cap(8192, 32)
+    assert gs.sm90_launch_config(ep8, 32, 7168, True) == (False, False, 128)
+    assert gs.sm90_launch_config(ep8, 32, 7168, True, expected_m=256) == (True, False, 256)
+    assert gs.sm90_launch_config(ep8, 32, 2048, True, expected_m=256) == (False, True, 256)
+    assert gs.sm90_swiglu_fuses(ep8, 32, 7168, True, 256) and not gs.sm90_swiglu_fuses(ep8, 32, 7168, True)
+    # EP4 (64 experts) at T = 1024: a quarter tile; the estimate reads one and takes the wide tile.
+    ep4 = m_cap(1024, 64)
+    assert gs.wide_tile(ep4, 64, 7168, True) and not gs.wide_tile(ep4, 64, 7168, True, 32)
+    assert gs.sm90_launch_config(ep4, 64, 7168, True, expected_m=32) == (False, False, 128)
+    assert gs.real_tiles_per_expert(ep4, 64, 0) == 0.0
+    # A whole model: the hint and the estimate agree, so do the choices.
+    for t in (1, 128, 1024, 2048, 4096, 8192, 16384):
+        for k in (7168, 2048):
+            assert gs.sm90_launch_config(m_cap(t, 256), 256, k, True) == \
+                gs.sm90_launch_config(m_cap(t, 256), 256, k, True, expected_m=t * 8 // 256), (t, k)
+
+
+def test_sm90_launchers_pass_expected_m_to_the_rule(monkeypatch):
+    """Both sm90 launch functions choose their variant with the hint: on an EP8-like slice (32
+    experts, M_cap for 8x the real rows, K = 4096) the launch key goes from 128 wide along N to
+    256 wide along M.  ``_launch`` stubbed, so this runs on the CPU."""
+    pytest.importorskip("cutlass")
+    from cute_moe.kernels import grouped_gemm_sm90 as g90  # noqa: PLC0415
+
+    keys = []
+    monkeypatch.setattr(g90, "_launch", lambda key, *a, **kw: keys.append(key[4:7]))
+    E, K, T = 32, 4096, 8192
+    m_cap = -(-(T * 8 + E * 127) // 128) * 128
+    a, a_scale = torch.empty(m_cap, K, dtype=torch.float8_e4m3fn), torch.empty(m_cap, K // 128)
+    b, b_scale = torch.empty(E, 512, K, dtype=torch.float8_e4m3fn), torch.empty(E, 4, K // 128)
+    off, counts = torch.zeros(E + 1, dtype=torch.int32), torch.zeros(E, dtype=torch.int32)
+    g90.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, off, counts)
+    g90.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, off, counts, expected_m=256)
+    g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, off, counts, True, None, 256)
+    assert keys == [(False, False, 128), (True, False, 256), (True, False, 256)]

@@ -357,6 +357,36 @@ def test_fused_moe_equals_composed_ops(rnd) -> None:
     _assert_equal(cute_moe.fused_moe(*args, **kwargs), out)
 
 
+def test_fused_moe_gives_the_gemms_expected_m(rnd, monkeypatch) -> None:
+    """fused_moe passes both GEMMs ``T * top_k // num_experts`` rows per expert (global experts: on
+    an expert-parallel slice M_cap counts every routed row); so does fused_moe_routed given
+    ``num_experts``, as FusedMoE.forward_routed gives it, and None without (the GEMMs estimate from
+    M_cap)."""
+    seen = []
+    real_call = O.call
+
+    def spy(name, *args):
+        if name.startswith("grouped_gemm_fp8"):
+            seen.append((name, args[-1]))
+        return real_call(name, *args)
+
+    monkeypatch.setattr(O, "call", spy)
+    _, args, kwargs = _build("fused_moe-deepseek_v3-ep", rnd)  # T = 5, top_k = 2, 8 experts, 4 local
+    cute_moe.fused_moe(*args, **kwargs)
+    assert seen == [("grouped_gemm_fp8_swiglu", 1), ("grouped_gemm_fp8", 1)]
+    seen.clear()
+    _, args, kwargs = _build("fused_moe_routed", rnd)  # T = 5, top_k = 2, 4 local experts
+    cute_moe.fused_moe_routed(*args, **kwargs)
+    assert seen == [("grouped_gemm_fp8_swiglu", None), ("grouped_gemm_fp8", None)]
+    seen.clear()
+    cute_moe.fused_moe_routed(*args, **kwargs, num_experts=6)
+    assert seen == [("grouped_gemm_fp8_swiglu", 1), ("grouped_gemm_fp8", 1)]
+    seen.clear()
+    layer = cute_moe.FusedMoE.from_fp8(*args[3:], top_k=2, num_experts=4, routing_method="softmax")
+    layer.forward_routed(args[0], args[1] % 4, args[2])
+    assert seen == [("grouped_gemm_fp8_swiglu", 2), ("grouped_gemm_fp8", 2)]
+
+
 def test_fused_moe_routed_negative_ids_contribute_nothing(rnd) -> None:
     """Ids outside the local range, -1 included (what vLLM's expert map gives a non-local expert),
     contribute nothing: the same output as those slots given weight 0.  The GPU kernels treat them
@@ -526,26 +556,31 @@ def test_import_is_light() -> None:
                                              ("sm_100a", True, "two")])
 def test_swiglu_cuda_entry_runs_one_path(monkeypatch, arch, fuses, path) -> None:
     """The fused sm90 kernel where ``sm90_swiglu_fuses``, else the GEMM (its errors naming
-    grouped_gemm_fp8_swiglu) then silu_mul_quant; the launchers stubbed, so this runs on the CPU."""
+    grouped_gemm_fp8_swiglu) then silu_mul_quant; ``expected_m`` reaches the rule and the launcher
+    that runs; the launchers stubbed, so this runs on the CPU."""
     pytest.importorskip("cutlass")
     from cute_moe.kernels import grouped_gemm, grouped_gemm_sm90, grouped_gemm_swiglu, silu_mul_quant  # noqa: PLC0415
 
     calls = []
     monkeypatch.setattr(grouped_gemm_swiglu, "arch_of_device_index", lambda _: arch)
-    monkeypatch.setattr(grouped_gemm_swiglu, "sm90_swiglu_fuses", lambda *_: fuses)
-    monkeypatch.setattr(grouped_gemm_sm90, "grouped_gemm_fp8_swiglu_cuda", lambda *a: calls.append("fused") or "q")
-    monkeypatch.setattr(grouped_gemm, "grouped_gemm_fp8_cuda", lambda *a, op: calls.append(("gemm", op)) or "h")
+    monkeypatch.setattr(grouped_gemm_swiglu, "sm90_swiglu_fuses", lambda *a: calls.append(("rule", a[-1])) or fuses)
+    monkeypatch.setattr(grouped_gemm_sm90, "grouped_gemm_fp8_swiglu_cuda",
+                        lambda *a: calls.append(("fused", a[-1])) or "q")  # fmt: skip
+    monkeypatch.setattr(grouped_gemm, "grouped_gemm_fp8_cuda", lambda *a, op: calls.append(("gemm", op, a[-1])) or "h")
     monkeypatch.setattr(silu_mul_quant, "silu_mul_quant_cuda", lambda h, *a: calls.append(("silu", h)) or "q2")
     a = torch.empty(128, 256, dtype=torch.float8_e4m3fn)
-    out = grouped_gemm_swiglu.grouped_gemm_fp8_swiglu_cuda(a, None, torch.empty(4, 256, 256), None, None)
+    out = grouped_gemm_swiglu.grouped_gemm_fp8_swiglu_cuda(a, None, torch.empty(4, 256, 256), None, None,
+                                                           expected_m=77)  # fmt: skip
+    rule = [("rule", 77)] if arch == "sm_90a" else []
     if path == "fused":
-        assert calls == ["fused"] and out == "q"
+        assert calls == rule + [("fused", 77)] and out == "q"
     else:
-        assert calls == [("gemm", "grouped_gemm_fp8_swiglu"), ("silu", "h")] and out == "q2"
+        assert calls == rule + [("gemm", "grouped_gemm_fp8_swiglu", 77), ("silu", "h")] and out == "q2"
 
 
 def test_gemm_launchers_take_the_op_name(monkeypatch) -> None:
-    """Both architectures' launch functions accept the ``op`` that grouped_gemm_fp8_cuda passes on."""
+    """Both architectures' launch functions accept the ``expected_m`` and ``op`` that
+    grouped_gemm_fp8_cuda passes on."""
     import inspect  # noqa: PLC0415
 
     pytest.importorskip("cutlass")
@@ -557,7 +592,7 @@ def test_gemm_launchers_take_the_op_name(monkeypatch) -> None:
         with pytest.warns(UserWarning):
             sm100 = gemm._arch_launcher("sm_100a")
         for fn in (gemm._arch_launcher("sm_90a"), sm100):
-            inspect.signature(fn).bind(*range(6), op="grouped_gemm_fp8_swiglu")
+            inspect.signature(fn).bind(*range(6), expected_m=None, op="grouped_gemm_fp8_swiglu")
     finally:
         gemm._arch_launcher.cache_clear()
 

@@ -214,6 +214,8 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"expert_counts": torch.zeros(E, dtype=I64)}, TypeError, r"expert_counts must be int32"),
         (lambda g: {"gate_first": "yes"}, TypeError, r"argument 'gate_first'"),
         (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt"),
+        (lambda g: {"expected_m": -1}, ValueError, r"grouped_gemm_fp8_swiglu: expected_m must be >= 0, got -1"),
+        (lambda g: {"expected_m": 2.5}, TypeError, r"expected_m"),
         (
             lambda g: {"expert_offsets": g["expert_offsets"][:3]},
             ValueError,
@@ -232,6 +234,8 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"^cute_moe\.grouped_gemm_fp8: b must be float8_e4m3fn, got torch\.bfloat16$",
         ),
         (lambda g: {"a": g["a"].bfloat16()}, TypeError, r"a must be float8_e4m3fn"),
+        (lambda g: {"expected_m": -8}, ValueError, r"^cute_moe\.grouped_gemm_fp8: expected_m must be >= 0, got -8$"),
+        (lambda g: {"expected_m": "64"}, TypeError, r"expected_m"),
         (
             lambda g: {"b": _r(E, 128, 128, dtype=FP8)},
             ValueError,
@@ -300,6 +304,13 @@ BAD_BY_OP: dict[str, list[Bad]] = {
     ],
     "fused_moe_routed": [
         (lambda g: {"x": g["x"].float()}, TypeError, r"x must be one of bfloat16, float16, got torch\.float32"),
+        (lambda g: {"num_experts": 0}, ValueError, r"fused_moe_routed: num_experts must be >= 1, got 0"),
+        (lambda g: {"num_experts": 8.0}, TypeError, r"num_experts"),
+        (
+            lambda g: {"num_experts": 7, "expert_offset": 6},
+            ValueError,
+            r"expert_offset \+ E_local \(w13\.shape\[0\]\) must be <= num_experts = 7, got 6 \+ 2",
+        ),
         (
             lambda g: {"topk_weights": g["topk_weights"].double()},
             TypeError,

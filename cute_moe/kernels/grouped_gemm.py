@@ -40,20 +40,21 @@ def _arch_launcher(arch: str):
             )
 
         # It computes every row, so it takes no expert_counts.
-        return lambda a, a_scale, b, b_scale, offsets, _, *, op: grouped_gemm_fp8_sm100_cuda(a, a_scale, b, b_scale,
-                                                                                            offsets, op=op)  # fmt: skip
+        return lambda a, a_scale, b, b_scale, offsets, _, *, expected_m, op: grouped_gemm_fp8_sm100_cuda(
+            a, a_scale, b, b_scale, offsets, op=op)  # fmt: skip
     raise NotImplementedError(f"cute_moe.grouped_gemm_fp8: no kernel for {arch}")
 
 
-def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None,
+def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, expected_m=None,
                           op: str = "grouped_gemm_fp8") -> torch.Tensor:  # fmt: skip
     """``expert_counts`` lets the sm_90a kernel skip warp groups of pure padding and leave the
     padding rows of a tile with at most 64 real rows unwritten; the sm_100a kernel computes every
     row.  Either way padding rows of the output are unspecified: without counts they are zero when
     A's padding rows are (``permute_quant``'s default), anything when those were left unwritten.
-    ``op``: the op the launch's errors name."""
+    ``expected_m``: rows per expert the sm_90a launch rule assumes (the sm_100a kernel has one tile
+    shape).  ``op``: the op the launch's errors name."""
     return _arch_launcher(arch_of_device_index(a.get_device()))(a, a_scale, b, b_scale, expert_offsets, expert_counts,
-                                                                op=op)  # fmt: skip
+                                                                expected_m=expected_m, op=op)  # fmt: skip
 
 
 def inspect_variants(arch: str):

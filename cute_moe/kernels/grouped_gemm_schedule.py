@@ -127,36 +127,44 @@ def pair_launch_grid(m_cap: int, n: int, num_sms: int, tile_n: int = TILE_N) -> 
     return 2 * max(1, clusters)
 
 
-def real_tiles_per_expert(m_cap: int, num_experts: int) -> float:
-    """M tiles of real rows per expert, estimated from M_cap less ``align``'s worst-case padding
-    (``TILE_M - 1`` rows per expert); for contiguous segments (no padding) it undercounts slightly.
-    An expert-parallel slice's M_cap is sized for every routed row, so there it overcounts."""
+def real_tiles_per_expert(m_cap: int, num_experts: int, expected_m: int | None = None) -> float:
+    """M tiles of real rows per expert: ``expected_m / TILE_M`` where the caller knows how many rows
+    an expert expects (``fused_moe``: T x k over all experts, local or not), else estimated from
+    M_cap less ``align``'s worst-case padding (``TILE_M - 1`` rows per expert).  For contiguous
+    segments (no padding) the estimate undercounts slightly; on an expert-parallel slice, whose
+    M_cap is sized for every routed row, it overcounts by the slicing factor (EP x)."""
+    if expected_m is not None:
+        return expected_m / TILE_M
     return (m_cap - num_experts * (TILE_M - 1)) / (TILE_M * max(num_experts, 1))
 
 
-def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
+def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool, expected_m: int | None = None) -> bool:
     """Whether the sm90 kernel takes 256-wide N tiles (two 128-wide halves through one temporary
     accumulator) rather than 128-wide ones: where experts average at least one M tile of real rows
-    (prefill).  On contiguous segments (no expert counts) at K <= 2048 only from
-    ``WIDE_STORE_BEHIND_TILES`` real M tiles per expert, where it stores behind: without that
-    epilogue it was 0.5 to 2% slower than the 128-wide tile's store-behind (session 20), with it
-    3.3% quicker on G4 / G8 x 7168x2048 and 1.7% on G32 x M512 (session 22).  Nor with expert counts
-    under 64 experts, where M_cap
-    may be an expert-parallel slice's, sized for every routed row (an EP8 slice of DeepSeek-V3's
-    256 experts: 8x the real rows), and where the pairs along M that the wide w13 GEMM needs do not
-    apply.  Slices of 64 or more experts (DeepSeek-V3 over EP2 or EP4) pass the guard with the same
-    overcount: at T = 1024-2048 they take the wide tile, paired along M, at under one real tile per
-    expert (not measured; ``cluster_along_m`` had the same blind spot before).
+    (prefill; ``real_tiles_per_expert``, from ``expected_m`` where given).  On contiguous segments
+    (no expert counts) at K <= 2048 only from ``WIDE_STORE_BEHIND_TILES`` real M tiles per expert,
+    where it stores behind: without that epilogue it was 0.5 to 2% slower than the 128-wide tile's
+    store-behind (session 20), with it 3.3% quicker on G4 / G8 x 7168x2048 and 1.7% on G32 x M512
+    (session 22).  Without ``expected_m``, not with expert counts under 64 experts: there M_cap may
+    be an expert-parallel slice's, sized for every routed row (an EP8 slice of DeepSeek-V3's 256
+    experts: 8x the real rows).  Slices of 64 or more experts pass that guard with the same
+    overcount: at T = 1024 on EP4 and T = 2048 on EP2 (a quarter / half a real tile, estimated
+    one) the wide tile cost 5.6% / 2.9% of the layer (session 25).
     Same-run A/Bs on the H200 (bench/NOTES.md, session 20), 256 wide (with ``cluster_along_m``'s
     direction for it) against 128: DeepSeek-V3's routed w13 / w2 at T = 8192 -10 to -14% / -5 to
     -7%, at T = 4096 -4 to -7% / -5%; contiguous K = 7168 -3 to -6%; contiguous K = 2048 +0.5 to
-    +2%; decode (T <= 1024, under one real tile per expert) +1.5 to +7% on w13, -2 to +7% on w2; EP8
-    slices (32 of 256 experts) T = 512 to 8192: w13 +1 to +5%, w2 -3 to +4.5%."""
+    +2%; decode (T <= 1024, under one real tile per expert) +1.5 to +7% on w13, -2 to +7% on w2.
+    With ``expected_m`` (``fused_moe``'s; same-run A/B of the layer against the rule without it,
+    two rounds, session 25): Mixtral-8x7B (8 experts, 2-32 real tiles each) T = 1024-16384 -8.7 to
+    -13.5%; DeepSeek-V3's EP8 slice T = 8192 / 16384 -4.2 / -5.8%, EP4 T = 1024 / 2048 -5.2 / -3.4%,
+    EP2 T = 2048 / 8192 / 16384 -2.2 / -1.8 / -3.5%; EP8 T = 4096 (one real tile per expert) +2.8%,
+    the rest within 1%."""
+    tiles = real_tiles_per_expert(m_cap, num_experts, expected_m)
     if k <= 16 * TILE_K and not has_counts:
-        return real_tiles_per_expert(m_cap, num_experts) >= WIDE_STORE_BEHIND_TILES
-    if has_counts and num_experts < 64:
+        return tiles >= WIDE_STORE_BEHIND_TILES
+    if has_counts and num_experts < 64 and expected_m is None:
         return False
-    return real_tiles_per_expert(m_cap, num_experts) >= 1
+    return tiles >= 1
 
 
 def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float) -> bool:
@@ -169,8 +177,8 @@ def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float) -> bool:
     DeepSeek-V3's routed w2 GEMM at T = 8192 (2 tiles) -6.2% (median -4.6%), at T = 4096 (1 tile)
     +1.0% (session 21); there the bf16 epilogue is ~11% of the GEMM's time when not behind.  The
     rule holds for any wide GEMM at K <= 2048, e.g. Qwen3-30B-A3B's w13 (K = 2048) from T = 3072
-    (measured for it in session 22: bench/NOTES.md), and ``tiles_per_expert`` overcounts on
-    expert-parallel slices of 64 or more experts (``real_tiles_per_expert``)."""
+    (measured for it in session 22: bench/NOTES.md), and ``tiles_per_expert``, without the op's
+    ``expected_m``, overcounts on expert-parallel slices (``real_tiles_per_expert``)."""
     if k > 16 * TILE_K:
         return False
     return not wide or tiles_per_expert >= WIDE_STORE_BEHIND_TILES
@@ -183,49 +191,55 @@ def check_sm90_variant(tile_n: int | None) -> None:
 
 
 def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, along_m: bool | None = None,
-                       store_behind: bool | None = None, tile_n: int | None = None) -> tuple[bool, bool, int]:  # fmt: skip
+                       store_behind: bool | None = None, tile_n: int | None = None,
+                       expected_m: int | None = None) -> tuple[bool, bool, int]:  # fmt: skip
     """(along_m, store_behind, tile_n) of an sm90 launch: each one given (tests and benchmarks force
     them) or chosen from the shapes (``wide_tile``, then ``cluster_along_m`` and
-    ``store_behind_epilogue`` for that width).  ValueError for a width other than 128 and 256."""
+    ``store_behind_epilogue`` for that width), each from ``expected_m`` where given.  ValueError for a width other than 128 and 256."""
     check_sm90_variant(tile_n)
-    wide = wide_tile(m_cap, num_experts, k, has_counts)
+    wide = wide_tile(m_cap, num_experts, k, has_counts, expected_m)
     if tile_n is None:
         tile_n = WIDE_TILE_N if wide else TILE_N
     if along_m is None:
-        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N, has_counts)
+        along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N, has_counts, expected_m)
     if store_behind is None:
-        store_behind = store_behind_epilogue(k, tile_n == WIDE_TILE_N, real_tiles_per_expert(m_cap, num_experts))
+        tiles = real_tiles_per_expert(m_cap, num_experts, expected_m)
+        store_behind = store_behind_epilogue(k, tile_n == WIDE_TILE_N, tiles)
     return bool(along_m), bool(store_behind), tile_n
 
 
-def sm90_swiglu_fuses(m_cap: int, num_experts: int, k: int, has_counts: bool) -> bool:
+def sm90_swiglu_fuses(m_cap: int, num_experts: int, k: int, has_counts: bool, expected_m: int | None = None) -> bool:
     """Whether ``grouped_gemm_fp8_swiglu`` runs as one sm90 kernel: where the GEMM takes the 256-wide
     tile (``wide_tile``: about one real M tile per expert or more, and with expert counts at least
-    64 experts), whose two 128-wide halves hold a gate block and its up block."""
-    return wide_tile(m_cap, num_experts, k, has_counts)
+    64 experts unless ``expected_m`` is given), whose two 128-wide halves hold a gate block and its
+    up block."""
+    return wide_tile(m_cap, num_experts, k, has_counts, expected_m)
 
 
-def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True) -> bool:
+def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True,
+                    expected_m: int | None = None) -> bool:  # fmt: skip
     """Whether the sm90 kernel pairs M tiles (sharing the weight tile) rather than N tiles (sharing
-    the A tile): for a long K (at least 4096) over many experts (at least 64) that average 2 to 6 M
-    tiles of real rows (1 to 6 with the 256-wide tile, ``wide``; and then over any number of
+    the A tile): for a long K (at least 4096) over many experts (at least 64, or any number given
+    ``expected_m``) that average 2 to 6 M tiles of real rows (``real_tiles_per_expert``; 1 to 6
+    with the 256-wide tile, ``wide``; and then over any number of
     experts on contiguous segments, ``has_counts=False``, whose M_cap cannot be an expert-parallel
     slice's).  There each expert's weights are re-read from DRAM for each of its few M tiles, which
     bounds the kernel.  Same-run A/B on DeepSeek-V3's w13 GEMM (uniform top-8 routing,
     bench/NOTES.md), 128 wide (session 7): T = 8192 -2 to -8% (DRAM reads 16.3 -> 12.5 GB), T =
     16384 -3 to -7%; neutral at T = 4096 (one real tile per expert), +12% at T = 2048, +17% at T =
     128, +2 to +6% on the K = 2048 w2 GEMM, on long contiguous segments, and on EP8 slices (32 local
-    experts, whose M_cap is sized for every routed row, so the estimate cannot see their size).
+    experts, whose M_cap is sized for every routed row, so the estimate cannot see their size;
+    ``expected_m`` can: see ``wide_tile``).
     256 wide (session 20): T = 4096 -11%, T = 8192 -7%; contiguous G=32 x 512 rows (4 tiles per
     expert) -2.4%, G=4 / G=8 (64 / 32 tiles) within 0.5% either way.  Contiguous and 256 wide from
     K = 2048 (session 22, with the store-behind epilogue): G=32 x 512 rows 7168x2048 -0.6 / -0.9% in
     two runs, G=4 (64 tiles, past the bound) +1.2 to +1.9%."""
     if has_counts or not wide:
-        if k < 4096 or num_experts < 64:
+        if k < 4096 or (num_experts < 64 and expected_m is None):
             return False
     elif k < 2048:
         return False
-    return (1 if wide else 2) <= real_tiles_per_expert(m_cap, num_experts) <= 6
+    return (1 if wide else 2) <= real_tiles_per_expert(m_cap, num_experts, expected_m) <= 6
 
 
 def pair_band_coords(v: int, n_tiles: int, pairs: int, band_pairs: int) -> tuple[int, int]:

@@ -16,7 +16,8 @@ from the shapes by ``sm90_launch_config`` (``cluster_along_m``):
 * pairs along N (default; ``tile_schedule``): N tiles 2j and 2j + 1 of one M tile, N fastest.
   Each CTA loads half of the A tile and multicasts it to both.
 * pairs along M (prefill MoE: long K, >= 64 experts of 2-6 M tiles each, 1-6 with the 256-wide
-  tile, which also pairs contiguous segments of any expert count so; ``pair_tile_schedule``): M tiles
+  tile, which also pairs contiguous segments of any expert count so, and any expert count given the
+  op's ``expected_m``; ``pair_tile_schedule``): M tiles
   2i and 2i + 1 of one N tile, in bands of ``PAIRS_PER_BAND`` pairs.  When both are expert
   ``e``'s, each CTA loads half of the B tile and multicasts it to both, so that the expert's
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
@@ -870,7 +871,8 @@ def compile_grouped_gemm_fp8(arch: str, keep_cubin: bool = False, block_scaled: 
 
 def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, *, block_scaled: bool = True,
                           along_m: bool | None = None, store_behind: bool | None = None,
-                          tile_n: int | None = None, op: str = "grouped_gemm_fp8"):  # fmt: skip
+                          tile_n: int | None = None, expected_m: int | None = None,
+                          op: str = "grouped_gemm_fp8"):  # fmt: skip
     """Launch on a's device and current stream; inputs validated by the op layer (``op``: the op the
     launch's errors name).
 
@@ -879,10 +881,11 @@ def grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=
     most ``SPARSE_ROWS`` real rows writes those rows only: padding rows are unspecified.
     ``block_scaled=False`` is the benchmark's no-promotion variant (scales ignored).  ``along_m``,
     ``store_behind``, ``tile_n``: the cluster direction, the epilogue and the tile's width
-    (``sm90_launch_config``: chosen from the shapes when None; tests and benchmarks force them)."""
+    (``sm90_launch_config``: chosen from the shapes and ``expected_m`` when None; tests and
+    benchmarks force them)."""
     has_counts = expert_counts is not None
     along_m, store_behind, tile_n = sm90_launch_config(a.shape[0], b.shape[0], a.shape[1], has_counts, along_m,
-                                                       store_behind, tile_n)  # fmt: skip
+                                                       store_behind, tile_n, expected_m)  # fmt: skip
     key = ("sm_90a", False, block_scaled, has_counts, along_m, store_behind, tile_n)
     return _launch(key, a, a_scale, b, b_scale, expert_offsets, expert_counts, expert_offsets, op=op)
 
@@ -903,7 +906,7 @@ def _launch(key: tuple, a, a_scale, b, b_scale, expert_offsets, expert_counts, s
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, gate_first: bool = True,
-                                 scale_fmt: str | None = None):  # fmt: skip
+                                 scale_fmt: str | None = None, expected_m: int | None = None):  # fmt: skip
     """The w13 GEMM and ``silu_mul_quant`` in one kernel: ``(q [M_cap, I] e4m3, scales [M_cap, I/128] f32,
     MN-major)`` from ``b`` = w13 [E, 2I, K].  Its caller (``grouped_gemm_swiglu``) launches it where
     ``sm90_swiglu_fuses`` (the shapes its GPU tests cover) and runs the two kernels elsewhere.  Where
@@ -914,7 +917,7 @@ def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_
     and scales of every row of a visited tile are written, padding rows included (unspecified)."""
     has_counts = expert_counts is not None
     (m_cap, k), inter = a.shape, b.shape[1] // 2
-    along_m = cluster_along_m(m_cap, b.shape[0], k, True, has_counts)
+    along_m = cluster_along_m(m_cap, b.shape[0], k, True, has_counts, expected_m)
     q = torch.empty(m_cap, inter, dtype=torch.float8_e4m3fn, device=a.device)
     scales = empty_mn_major(m_cap, inter // WGMMA_N, a.device)
     key = ("sm_90a", False, True, has_counts, along_m, False, WIDE_TILE_N, True, gate_first, scale_fmt == "ue8m0")
