@@ -195,7 +195,8 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
                        expected_m: int | None = None) -> tuple[bool, bool, int]:  # fmt: skip
     """(along_m, store_behind, tile_n) of an sm90 launch: each one given (tests and benchmarks force
     them) or chosen from the shapes (``wide_tile``, then ``cluster_along_m`` and
-    ``store_behind_epilogue`` for that width), each from ``expected_m`` where given.  ValueError for a width other than 128 and 256."""
+    ``store_behind_epilogue`` for that width), each from ``expected_m`` where given.  ValueError
+    for a width other than 128 and 256."""
     check_sm90_variant(tile_n)
     wide = wide_tile(m_cap, num_experts, k, has_counts, expected_m)
     if tile_n is None:
