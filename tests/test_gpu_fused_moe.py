@@ -444,6 +444,10 @@ def test_expert_parallel_shards_sum_to_the_unsharded_layer(model: str):
                                   topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
         routed = cute_moe.fused_moe_routed(x, ids, wts, w.w13[sl], w.s13[sl], w.w2[sl], w.s2[sl], expert_offset=off)
         assert torch.equal(routed, part), f"fused_moe_routed differs from fused_moe on shard [{off}, {off + n})"
+        # given the global expert count (a launch hint, as fused_moe passes it): the same bits
+        hinted = cute_moe.fused_moe_routed(x, ids, wts, w.w13[sl], w.s13[sl], w.w2[sl], w.s2[sl], expert_offset=off,
+                                           num_experts=m.E)  # fmt: skip
+        assert torch.equal(hinted, part), f"fused_moe_routed(num_experts=) differs on shard [{off}, {off + n})"
     s0, s1 = parts
     f = full.float()
     bound = 2.0**-8 * (s0.abs() + s1.abs() + f.abs()) * 1.001 + 1e-4 * f.abs().amax(dim=1, keepdim=True)
@@ -452,6 +456,32 @@ def test_expert_parallel_shards_sum_to_the_unsharded_layer(model: str):
         f"{int(over.sum())} of {over.numel()} elements: shard sum differs from the unsharded layer by more than "
         f"bf16 rounding (max abs diff {(s0 + s1 - f).abs().max().item():.3e})"
     )
+
+
+def test_expert_parallel_hint_changes_the_launch_not_the_output():
+    """An EP8-like slice (32 of DeepSeek-V3's 256 experts) at T = 4096: M_cap's estimate counts every
+    routed row as local and keeps 32 experts on the 128-wide tile and two kernels; the global
+    expert count (fused_moe's own, or fused_moe_routed's ``num_experts``) gives 128 rows per expert:
+    the 256-wide tile paired along M and the fused SwiGLU kernel.  The outputs are the same bits."""
+    from cute_moe.kernels import grouped_gemm_schedule as gs  # noqa: PLC0415
+
+    m, w = MODELS["deepseek_v3"], weights("deepseek_v3")
+    T, sl, e_local = 4096, slice(32, 64), 32
+    m_cap, expected_m = R.m_cap(T, m.top_k, e_local, ALIGNMENT), T * m.top_k // m.E
+    assert not gs.sm90_swiglu_fuses(m_cap, e_local, m.H, True)
+    assert gs.sm90_swiglu_fuses(m_cap, e_local, m.H, True, expected_m)
+    assert gs.sm90_launch_config(m_cap, e_local, m.I, True, expected_m=expected_m)[2] == gs.WIDE_TILE_N
+    x, logits = make_inputs(m, w, T, seed=808)
+    ids, wts = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,
+                              topk_group=m.topk_group, routed_scaling_factor=m.scaling)  # fmt: skip
+    args = (x, ids, wts, w.w13[sl], w.s13[sl], w.w2[sl], w.s2[sl])
+    poison_for_layer(T, m.top_k, e_local, m.H, m.I)
+    plain = cute_moe.fused_moe_routed(*args, expert_offset=32)
+    poison_for_layer(T, m.top_k, e_local, m.H, m.I)
+    hinted = cute_moe.fused_moe_routed(*args, expert_offset=32, num_experts=m.E)
+    assert not hinted.isnan().any() and hinted.abs().amax() > 0
+    assert torch.equal(plain, hinted)
+    assert torch.equal(run_layer(m, w, x, logits, experts=sl, expert_offset=32), hinted)
 
 
 def test_fused_moe_routed_equals_fused_moe():
