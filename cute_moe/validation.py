@@ -649,9 +649,7 @@ def validate_fused_moe_routed(
     check_int(op, "expert_offset", expert_offset, min=0, max=INT32_MAX - e_local, max_what="2**31 - 1 - E_local")
     if num_experts is not None:
         check_int(op, "num_experts", num_experts, min=1)
-        if expert_offset + e_local > num_experts:
-            _fail(op, f"expert_offset + E_local (w13.shape[0]) must be <= num_experts = {num_experts}, "
-                      f"got {expert_offset} + {e_local}")  # fmt: skip
+        _check_expert_range(op, expert_offset, e_local, num_experts, "E_local (w13.shape[0])", "num_experts")
     if x.is_cuda and x.shape[0] and topk_ids.shape[1] > _GPU_MAX_TOPK:  # T = 0 launches nothing
         # Checked here, not by finalize at the end, so that nothing has launched yet.
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= {_GPU_MAX_TOPK} on the GPU, got {topk_ids.shape[1]}",

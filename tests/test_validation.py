@@ -309,7 +309,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (
             lambda g: {"num_experts": 7, "expert_offset": 6},
             ValueError,
-            r"expert_offset \+ E_local \(w13\.shape\[0\]\) must be <= num_experts = 7, got 6 \+ 2",
+            r"expert_offset \+ E_local \(w13\.shape\[0\]\) must be <= num_experts, got 6 \+ 2 > 7",
         ),
         (
             lambda g: {"topk_weights": g["topk_weights"].double()},
