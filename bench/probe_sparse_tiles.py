@@ -2,25 +2,39 @@
 with each other would pay: the lever left at DeepSeek-V3 T = 8192 (bench/NOTES.md, session 25: a
 fifth of the routed GEMMs' M tiles are segments' last tiles of <= 64 real rows).
 
-    python bench/probe_sparse_tiles.py [--rounds 3] [--reps 30]
+    python bench/probe_sparse_tiles.py [--rounds 3] [--reps 30] [--set one|xy|both]
 
-Problems, each DeepSeek-V3's w13 (N x K = 4096 x 7168) and w2 (7168 x 2048) over 256 experts of one
-128-row segment each, with expert counts (as ``fused_moe`` runs the GEMMs):
+Each problem is DeepSeek-V3's w13 (N x K = 4096 x 7168) and w2 (7168 x 2048) over 256 experts, run
+with expert counts (as ``fused_moe`` runs the GEMMs).  Two sets:
 
-* ``full``: every expert 128 real rows;
-* ``sparse``: every expert 48 real rows (every tile at most 64: one math warp group works);
-* ``alternating``: experts alternate 128 / 48 real rows, so that every M-tile pair ``(2i, 2i + 1)``
-  holds one full and one sparse tile -- what a segment's last tile meets today when it pairs with
-  the next segment's first;
-* ``grouped``: the same counts, the full experts first: pairs are full + full or sparse + sparse,
-  what a visit order that pairs sparse tiles together would give.
+* ``one`` (every expert one 128-row segment: each weight tile serves one M tile, so the GEMM
+  streams weights from DRAM):
+
+  - ``full``: every expert 128 real rows; ``sparse``: every expert 48 (every tile at most 64 rows:
+    one math warp group works);
+  - ``alternating``: experts alternate 128 / 48, so that every M-tile pair ``(2i, 2i + 1)`` holds
+    one full and one sparse tile; ``grouped``: the same counts, full experts first, so that pairs
+    are full + full or sparse + sparse.
+
+* ``xy`` (compute-bound, as at T = 8192: 128 experts X of three full tiles, 384 rows, whose weight
+  tiles serve three M tiles, and 128 experts Y of one tile, 512 M tiles in all):
+
+  - ``alternating``: X Y X Y ..., Y holding 48 real rows: the pairs are X's first two tiles (one
+    expert: the weight tile shared) and X's last with Y's only (full + sparse), what a segment's
+    last tile meets today; ``alternating, Y full``: the same with Y holding 128 rows;
+  - ``grouped``: X X Y Y ...: the pairs are X's first two, X's last with the next X's first, the
+    next X's last two, and Y with Y (sparse + sparse), with the same sharing of weight tiles;
+    what a visit order that pairs sparse tiles together would give; ``grouped, Y full``: the same
+    order with Y full.
 
 Variants: the 256-wide tile paired along M (the routed w13's launch at prefill) and along N (the
 routed w2's), and the 128-wide tile along N.  Rounds interleave every (problem, variant); the table
-gives the minimum and median µs (``Timer.graph_us``: CUDA graph, L2 flushed) and, per variant,
-``sparse / full`` (a sparse tile's cost relative to a full one) and ``grouped / alternating`` (what
-the pairing would save where every pair is mixed).  Each variant's real rows are checked equal to
-the first variant's, bit for bit.
+gives the minimum and median µs (``Timer.graph_us``: CUDA graph, L2 flushed) and per variant the
+ratios of minima that answer the question: ``one``: ``sparse / full`` (a sparse tile against a full
+one) and ``grouped / alternating``; ``xy``: ``alt / alt Y full`` (what the sparse tiles save when
+each rides with a full one) and ``grp / alt`` (what pairing them together saves; ``grp full / alt
+full`` beside it: the order alone).  Each variant's real rows are checked equal to the first
+variant's, bit for bit.
 """
 from __future__ import annotations
 
@@ -42,60 +56,85 @@ VARIANTS = {"256 along M": dict(tile_n=256, along_m=True), "256 along N": dict(t
             "128 along N": dict(tile_n=128, along_m=False)}  # fmt: skip
 
 
-def counts_of(problem: str) -> list[int]:
-    if problem == "full":
-        return [TILE] * E
-    if problem == "sparse":
-        return [SPARSE] * E
-    mixed = [TILE if e % 2 == 0 else SPARSE for e in range(E)]
-    return mixed if problem == "alternating" else sorted(mixed, reverse=True)
+def problems_of(which: str) -> dict[str, list[tuple[int, int]]]:
+    """name -> (segment rows, real rows) per expert, in expert order."""
+    if which == "one":
+        mixed = [(TILE, TILE if e % 2 == 0 else SPARSE) for e in range(E)]
+        return {"full": [(TILE, TILE)] * E, "sparse": [(TILE, SPARSE)] * E, "alternating": mixed,
+                "grouped": sorted(mixed, reverse=True)}  # fmt: skip
+    x = (3 * TILE, 3 * TILE)
+    out = {}
+    for y_rows, tag in ((SPARSE, ""), (TILE, ", Y full")):
+        y = (TILE, y_rows)
+        out["alternating" + tag] = [x, y] * (E // 2)
+        out["grouped" + tag] = [x, x, y, y] * (E // 4)
+    return out
 
 
-def operands(n: int, k: int):
-    """(a, a_scale MN-major, b, b_scale, offsets) for 256 segments of 128 rows."""
+def operands(n: int, k: int, m_cap: int):
+    """(a, a_scale MN-major, b, b_scale) for ``m_cap`` rows over 256 experts."""
     seed_from(f"probe_sparse_tiles {n}x{k}")
-    m_cap, kb = E * TILE, k // TILE
+    kb = k // TILE
     a, a_scale = _rand_fp8(m_cap, k), _rand_scales(kb, m_cap, scale=1e-2).t()
     b, b_scale = _rand_fp8(E, n, k), _rand_scales(E, -(-n // TILE), kb, scale=1e-4)
-    offsets = torch.arange(0, m_cap + 1, TILE, dtype=torch.int32, device="cuda")
-    return a, a_scale, b, b_scale, offsets
+    return a, a_scale, b, b_scale
+
+
+def print_table(n: int, k: int, which: str, problems: dict, times: dict) -> None:
+    names = list(problems)
+    print(f"\nN x K = {n} x {k}, set {which!r}, sparse tiles {SPARSE} rows (µs: min / median)")
+    if which == "one":
+        ratios = (("sparse/full", "sparse", "full"), ("grouped/alt", "grouped", "alternating"))
+    else:
+        ratios = (("alt/alt Y full", "alternating", "alternating, Y full"), ("grp/alt", "grouped", "alternating"),
+                  ("grp full/alt full", "grouped, Y full", "alternating, Y full"))  # fmt: skip
+    print(f"{'variant':>12} " + " ".join(f"{p:>20}" for p in names) + "".join(f" {r[0]:>17}" for r in ratios))
+    for v in VARIANTS:
+        lo = {p: min(times[p, v]) for p in names}
+        cells = " ".join(f"{lo[p]:9.1f} / {statistics.median(times[p, v]):8.1f}" for p in names)
+        print(f"{v:>12} {cells}" + "".join(f" {lo[num] / lo[den]:17.3f}" for _, num, den in ratios))
+
+
+def run_set(timer: Timer, which: str, n: int, k: int, rounds: int, reps: int) -> None:
+    problems = problems_of(which)
+    m_cap = sum(seg for seg, _ in next(iter(problems.values())))
+    a, a_scale, b, b_scale = operands(n, k, m_cap)
+    calls, real = {}, {}
+    for p, segments in problems.items():
+        starts = [0]
+        for seg, _ in segments:
+            starts.append(starts[-1] + seg)
+        offsets = torch.tensor(starts, dtype=torch.int32, device="cuda")
+        cnt = torch.tensor([rows for _, rows in segments], dtype=torch.int32, device="cuda")
+        real[p] = torch.cat([torch.arange(s, s + rows, device="cuda") for s, (_, rows) in zip(starts, segments)])
+        for v, kw in VARIANTS.items():
+            calls[p, v] = (lambda off=offsets, cnt=cnt, kw=kw: g90.grouped_gemm_fp8_cuda(
+                a, a_scale, b, b_scale, off, cnt, expected_m=TILE, **kw))  # fmt: skip
+    for p in problems:  # compiles every variant once; the real rows agree between variants
+        first = None
+        for v in VARIANTS:
+            rows = calls[p, v]()[real[p]]
+            if first is None:
+                first = rows
+            elif not torch.equal(rows, first):
+                print(f"WARNING {n}x{k} {p}: {v}'s real rows differ from {next(iter(VARIANTS))}'s")
+    times: dict = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            times[key].append(timer.graph_us(fn, reps))
+    print_table(n, k, which, problems, times)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--set", choices=("one", "xy", "both"), default="both")
     args = parser.parse_args()
     timer = Timer()
-    problems = ("full", "sparse", "alternating", "grouped")
-    for n, k in NK:
-        a, a_scale, b, b_scale, offsets = operands(n, k)
-        calls, real = {}, {}
-        for p in problems:
-            counts = counts_of(p)
-            cnt = torch.tensor(counts, dtype=torch.int32, device="cuda")
-            real[p] = torch.cat([torch.arange(e * TILE, e * TILE + c, device="cuda") for e, c in enumerate(counts)])
-            for v, kw in VARIANTS.items():
-                calls[p, v] = (lambda cnt=cnt, kw=kw: g90.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, offsets, cnt,
-                                                                               expected_m=TILE, **kw))  # fmt: skip
-        for p in problems:  # compiles every variant once; the real rows agree between variants
-            first = None
-            for v in VARIANTS:
-                rows = calls[p, v]()[real[p]]
-                if first is None:
-                    first = rows
-                elif not torch.equal(rows, first):
-                    print(f"WARNING {n}x{k} {p}: {v}'s real rows differ from {next(iter(VARIANTS))}'s")
-        times: dict = {key: [] for key in calls}
-        for _ in range(args.rounds):
-            for key, fn in calls.items():
-                times[key].append(timer.graph_us(fn, args.reps))
-        print(f"\nN x K = {n} x {k}, {E} experts x {TILE} rows, sparse tiles {SPARSE} rows (µs: min / median)")
-        print(f"{'variant':>12} " + " ".join(f"{p:>18}" for p in problems) + f" {'sparse/full':>12} {'grouped/alt':>12}")
-        for v in VARIANTS:
-            lo = {p: min(times[p, v]) for p in problems}
-            cells = " ".join(f"{lo[p]:8.1f} / {statistics.median(times[p, v]):7.1f}" for p in problems)
-            print(f"{v:>12} {cells} {lo['sparse'] / lo['full']:12.3f} {lo['grouped'] / lo['alternating']:12.3f}")
+    for which in (("one", "xy") if args.set == "both" else (args.set,)):
+        for n, k in NK:
+            run_set(timer, which, n, k, args.rounds, args.reps)
 
 
 if __name__ == "__main__":
