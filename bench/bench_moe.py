@@ -318,11 +318,25 @@ def _fmt_exc(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
 
 
+def layer_inputs(m: Model, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x bf16 [T, H], router logits f32 [T, E]), seeded by T."""
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, m.H, device="cuda", generator=gen).bfloat16()
+    logits = torch.randn(T, m.E, device="cuda", generator=gen)
+    return x, logits
+
+
+def cute_moe_layer(fused_moe_cls, m: Model, w: Weights):
+    """``fused_moe_cls`` (``cute_moe.FusedMoE``) holding the model's weights and routing."""
+    return fused_moe_cls.from_fp8(
+        w.w13, w.s13, w.w2, w.s2, top_k=m.top_k, num_experts=m.E, routing_method=m.routing, n_group=m.n_group,
+        topk_group=m.topk_group, routed_scaling_factor=m.scaling, score_bias=w.bias, expert_offset=m.expert_offset,
+    )  # fmt: skip
+
+
 def bench_point(timer, m: Model, w: Weights, T: int, impls: dict, reps: int) -> list[dict]:
     H, I, El = m.H, m.I, m.e_local
-    gen = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, H, device="cuda", generator=gen).bfloat16()
-    logits = torch.randn(T, m.E, device="cuda", generator=gen)
+    x, logits = layer_inputs(m, T)
     ids, _ = torch_route(logits, m, w.bias)
     local_ids = ids[(ids >= m.expert_offset) & (ids < m.expert_offset + El)]
     slots = int(local_ids.numel())
@@ -357,13 +371,7 @@ def bench_point(timer, m: Model, w: Weights, T: int, impls: dict, reps: int) -> 
             row(impl, None, None, w_bytes, _fmt_exc(exc))
 
     if "cute_moe" in impls:
-        layer = None
-        if not isinstance(impls["cute_moe"], str):
-            layer = impls["cute_moe"].from_fp8(
-                w.w13, w.s13, w.w2, w.s2, top_k=m.top_k, num_experts=m.E, routing_method=m.routing,
-                n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.scaling, score_bias=w.bias,
-                expert_offset=m.expert_offset,
-            )  # fmt: skip
+        layer = None if isinstance(impls["cute_moe"], str) else cute_moe_layer(impls["cute_moe"], m, w)
         run("cute_moe", lambda: layer(x, logits), w_fp8)
     if "torch_fp8_rowwise" in impls:
         align = impls["torch_fp8_rowwise"]
@@ -452,7 +460,7 @@ def plot(rows: list[dict], copy_gbs: float, path: str, device: str) -> None:
     print(f"plot: {path}")
 
 
-def _tokens(arg: Optional[str]) -> tuple[int, ...]:
+def parse_tokens(arg: Optional[str]) -> tuple[int, ...]:
     if not arg:
         return TOKENS
     try:
@@ -477,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-time budget; later rows are skipped")
     args = parser.parse_args(argv)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
-    tokens = _tokens(args.tokens)
+    tokens = parse_tokens(args.tokens)
     wanted = [i.strip() for i in args.impls.split(",") if i.strip()]
     if bad := [i for i in wanted if i not in IMPLS]:
         raise SystemExit(f"--impls: unknown {bad}, choose from {IMPLS}")
