@@ -645,6 +645,20 @@ def _moe_reduce_fake(hidden: Tensor, *_: Any) -> Tensor:
 # ----------------------------------------------------------------------------
 
 
+def _check_align_limits(op: str, x: Tensor, top_k: int, e_local: int) -> None:
+    """NotImplementedError naming ``op`` where ``align``'s CUDA kernel cannot take the layer's
+    routing (T * k over its limit): raised before the layer's first launch, not from align's
+    launcher halfway through it."""
+    T = x.shape[0]
+    if x.device.type != "cuda" or T == 0 or top_k == 0:
+        return
+    from cute_moe.kernels.align import AlignKernel  # noqa: PLC0415 (needs the CuTe DSL)
+
+    reason = AlignKernel.can_implement(top_k, e_local, _MOE_ALIGNMENT, T)
+    if reason is not None:
+        raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input (align's): {reason}")
+
+
 def _moe_from_topk(
     x: Tensor,
     topk_ids: Tensor,
@@ -714,6 +728,7 @@ def fused_moe_routed(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
         apply_router_weight_on_input, num_experts,
     )  # fmt: skip
+    _check_align_limits("fused_moe_routed", x, topk_ids.shape[1], w13.shape[0])
     return _moe_from_topk(
         x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, _ANY_EXPERT, expert_offset, gate_first, act_scale_fmt,
         on_input, num_experts,
@@ -749,6 +764,7 @@ def fused_moe(
         x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
         routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
     )  # fmt: skip
+    _check_align_limits("fused_moe", x, top_k, w13.shape[0])
     ids, w = call("route", router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor)
     e_global = router_logits.shape[1]
     return _moe_from_topk(

@@ -77,6 +77,7 @@ _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
 _HALF_ACT = (torch.bfloat16, torch.float16)
 _INDEX = (torch.int32,)
 INT32_MAX = 2**31 - 1  # the kernels index rows, experts and offsets in int32
+_F32 = torch.finfo(torch.float32)
 _GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32 (kernels/reduce_common.MAX_K)
 # Tensor types whose data_ptr() is a real address: a Parameter built from a fake tensor has the
 # fake tensor's type, not Parameter.
@@ -325,8 +326,11 @@ def check_routing_config(
         finite = math.isfinite(routed_scaling_factor)
     except OverflowError:  # an int past the float range
         finite = False
-    if not (finite and routed_scaling_factor > 0):
-        _fail(op, f"routed_scaling_factor must be finite and > 0, got {routed_scaling_factor}")
+    # The kernels and the reference scale in float32: a factor outside its normal range would
+    # turn every weight into inf or 0.
+    if not (finite and _F32.tiny <= routed_scaling_factor <= _F32.max):
+        _fail(op, f"routed_scaling_factor must be finite and > 0 within float32's normal range "
+                  f"[{_F32.tiny}, {_F32.max}], got {routed_scaling_factor}")  # fmt: skip
     if has_bias and method != "deepseek_v3":
         _fail(op, f"score_bias is only allowed with {method_name}='deepseek_v3', got {method_name}={method!r}")
     if method != "deepseek_v3":
@@ -739,6 +743,8 @@ def _check_kv_side(
     sn, cn, scn = names
     _tensor(op, sn, states, _FLOAT_ACT, 3, "[N_tok, H_kv, D]")
     N, H_kv, D = states.shape
+    if H_kv < 1 or D < 1:
+        _fail(op, f"{sn} must have H_kv >= 1 and D >= 1 ([N_tok, H_kv, D]), got shape {_shape(states)}")
     check_divisible(op, f"D ({sn}.shape[2])", D, group_size, "group_size")
     what = "[num_blocks, block_size, H_kv, D]" if layout == "bshd" else "[num_blocks, H_kv, block_size, D]"
     _tensor(op, cn, cache, FP8_DTYPE, 4, f"{what} (layout={layout!r})")
@@ -764,12 +770,55 @@ def _check_kv_side(
     return N, nb, bs
 
 
+def _nested_dims(t: Tensor) -> Optional[list[tuple[int, int]]]:
+    """(size, stride) of ``t``'s dims of size > 1, largest stride first, when each stride exceeds
+    the largest offset the smaller-stride dims reach (every permutation of a dense or padded
+    tensor): then no two elements share an address, and an offset between two such views has at
+    most one decomposition per dim.  None otherwise."""
+    dims = sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n > 1), key=lambda d: d[1], reverse=True)
+    reach = 0
+    for n, st in reversed(dims):
+        if st <= reach:
+            return None
+        reach += (n - 1) * st
+    return dims
+
+
 def _check_no_self_overlap(op: str, name: str, t: Tensor) -> None:
-    """A written tensor must not map two elements to one address (an ``expand``ed view): the
-    kernels would race on them.  A contiguous tensor cannot; any other gets torch's check."""
-    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
-        _fail(op, f"{name} must not have overlapping elements (a zero stride, e.g. from expand), got strides "
-                  f"{tuple(t.stride())} for shape {_shape(t)}")  # fmt: skip
+    """A written tensor must not map two elements to one address (an ``expand``ed or
+    ``as_strided`` view): the kernels would race on them.  A contiguous tensor cannot; any other
+    must have strides that nest (``_nested_dims``), which torch's own check cannot always tell."""
+    if not t.is_contiguous() and t.numel() > 1 and _nested_dims(t) is None:
+        _fail(op, f"{name} must not have overlapping elements: its strides {tuple(t.stride())} for shape "
+                  f"{_shape(t)} do not nest (a zero stride, e.g. from expand, or an as_strided view)")  # fmt: skip
+
+
+def _share_an_element(a: Tensor, b: Tensor) -> bool:
+    """Whether two views of one dtype, each checked by ``_check_no_self_overlap``, have an element
+    address in common.  Exact for views of equal shape and strides (K and V sliced from one
+    buffer, interleaved or not); views of other strides count as sharing when their byte ranges
+    meet."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    item = a.element_size()
+    lo_a, lo_b = a.data_ptr(), b.data_ptr()
+    hi_a = lo_a + item * (1 + sum((n - 1) * st for n, st in zip(a.shape, a.stride())))
+    hi_b = lo_b + item * (1 + sum((n - 1) * st for n, st in zip(b.shape, b.stride())))
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return False
+    dims = _nested_dims(a)
+    if a.shape != b.shape or a.stride() != b.stride() or (lo_b - lo_a) % item or dims is None:
+        return True
+
+    def reachable(delta: int, i: int) -> bool:  # delta = sum of c_j * stride_j, |c_j| < size_j, j >= i
+        if i == len(dims):
+            return delta == 0
+        n, st = dims[i]
+        below = sum((m - 1) * s for m, s in dims[i + 1:])
+        c_lo, c_hi = max(-(n - 1), -((below - delta) // st)), min(n - 1, (delta + below) // st)
+        return any(reachable(delta - c * st, i + 1) for c in range(c_lo, c_hi + 1))
+
+    return reachable((lo_b - lo_a) // item, 0)
 
 
 def validate_fill_kv_cache_fp8(
@@ -809,8 +858,9 @@ def validate_fill_kv_cache_fp8(
         check_dtype(op, "v_states", v_states, k_states.dtype)
         for kn, kt, vn, vt in (("k_cache", k_cache, "v_cache", v_cache),
                                ("k_scale_cache", k_scale_cache, "v_scale_cache", v_scale_cache)):  # fmt: skip
-            if vt.numel() and type(vt) in _PLAIN and not vt.is_meta and vt.data_ptr() == kt.data_ptr():
-                _fail(op, f"{vn} must not be {kn}'s memory (the V side would overwrite the K side)")
+            real = type(vt) in _PLAIN and type(kt) in _PLAIN and not (vt.is_meta or kt.is_meta)
+            if real and _share_an_element(kt, vt):
+                _fail(op, f"{vn} must not share memory with {kn} (the V side would overwrite the K side)")
         if v_states.shape[1] != k_states.shape[1]:
             _fail(
                 op,

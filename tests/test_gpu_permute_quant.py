@@ -297,6 +297,24 @@ def test_permute_quant_token_major_expert_parallel(scale_fmt):
     _assert_padding_zero(a, s, row_to_token, offsets, scale_fmt)
 
 
+def test_permute_quant_int64_token_to_row_past_int32_is_skipped():
+    """An int64 token_to_row entry outside int32 (2**32 + r, r a row another token owns) is not
+    local, like -1: the host's narrowing must not wrap it onto row r.  Its own row becomes padding
+    in row_to_token, so that the maps stay each other's inverse and the reference says what each
+    row holds."""
+    offsets, row_to_token, token_to_row = _random_maps(600, 8, 64, seed=44)
+    x = random_activations(600, 2048, torch.bfloat16, seed=45)
+    t2r = token_to_row.long()
+    own, other = int(t2r[7, 3]), int(t2r[11, 0])
+    t2r[7, 3] = (1 << 32) + other
+    r2t = row_to_token.clone()
+    r2t[own] = -1
+    poison_pools(r2t.shape[0] * 2048 * 2 + (64 << 20))
+    a, s = torch.ops.cute_moe.permute_quant(x, r2t, offsets, None, t2r)
+    assert_rows_match(a, s, *permute_quant_ref(x, r2t, offsets, None), _end(offsets), exact_codes=True)
+    _assert_padding_zero(a, s, r2t, offsets, None)
+
+
 def test_debug_index_checks(monkeypatch):
     """CUTE_MOE_DEBUG=1: the CUDA paths check index data as the CPU ones do (named ValueErrors), e.g.
     vLLM's sorted_token_ids (flattened t*k+j, padded with T*k) passed as row_to_token."""

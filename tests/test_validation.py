@@ -91,6 +91,13 @@ def _good(op: str) -> dict[str, Any]:
     }
 
 
+def _shifted_kv_caches(g: dict, shift: int) -> dict:
+    """k_cache and v_cache as two views of one buffer, V ``shift`` blocks past K: they overlap."""
+    nb = g["k_cache"].shape[0]
+    buf = _r(nb + shift, *g["k_cache"].shape[1:], dtype=FP8)
+    return {"k_cache": buf[:nb], "v_cache": buf[shift:]}
+
+
 OPS = list(cute_moe.ops.__all__)
 
 # op -> [(overrides built from the good kwargs g, exception, message regex)]
@@ -128,9 +135,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"topk_group must be <= n_group = 4, got 5",
         ),
         (lambda g: {"routed_scaling_factor": float("nan")}, ValueError, r"routed_scaling_factor must be finite and > 0"),
-        (lambda g: {"routed_scaling_factor": 0.0}, ValueError, r"routed_scaling_factor must be finite and > 0, got 0\.0"),
+        (lambda g: {"routed_scaling_factor": 0.0}, ValueError, r"routed_scaling_factor must be finite and > 0 within .*, got 0\.0"),
         (lambda g: {"routed_scaling_factor": -2.5}, ValueError, r"routed_scaling_factor must be finite and > 0"),
         (lambda g: {"routed_scaling_factor": float("inf")}, ValueError, r"routed_scaling_factor must be finite"),
+        (lambda g: {"routed_scaling_factor": 1e39}, ValueError, r"within float32's normal range .* got 1e\+39"),
+        (lambda g: {"routed_scaling_factor": 1e-50}, ValueError, r"within float32's normal range .* got 1e-50"),
         (
             lambda g: {"method": "deepseek_v3", "n_group": 4, "top_k": 5},
             ValueError,
@@ -402,10 +411,30 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (
             lambda g: {"k_cache": _r(1, 1, 2, 128, dtype=FP8).expand(4, 4, 2, 128)},
             ValueError,
-            r"k_cache must not have overlapping elements \(a zero stride",
+            r"k_cache must not have overlapping elements: its strides \(0, 0, 128, 1\) .* do not nest",
         ),
-        (lambda g: {"v_cache": g["k_cache"]}, ValueError, r"v_cache must not be k_cache's memory"),
-        (lambda g: {"v_scale_cache": g["k_scale_cache"]}, ValueError, r"v_scale_cache must not be k_scale_cache's"),
+        (
+            lambda g: {"k_cache": _r(4 * 4 * 2 * 128, dtype=FP8).as_strided((4, 4, 2, 128), (128, 64, 128, 1))},
+            ValueError,
+            r"k_cache must not have overlapping elements: its strides \(128, 64, 128, 1\)",
+        ),
+        (lambda g: {"v_cache": g["k_cache"]}, ValueError, r"v_cache must not share memory with k_cache"),
+        (lambda g: {"v_scale_cache": g["k_scale_cache"]}, ValueError, r"v_scale_cache must not share memory with k_scale"),
+        (
+            lambda g: _shifted_kv_caches(g, 1),
+            ValueError,
+            r"v_cache must not share memory with k_cache \(the V side would overwrite the K side\)",
+        ),
+        (
+            lambda g: {"k_states": g["k_states"][:, :0], "v_states": g["v_states"][:, :0]},
+            ValueError,
+            r"k_states must have H_kv >= 1 and D >= 1 \(\[N_tok, H_kv, D\]\), got shape \[3, 0, 128\]",
+        ),
+        (
+            lambda g: {"k_states": g["k_states"][:, :, :0], "v_states": g["v_states"][:, :, :0]},
+            ValueError,
+            r"k_states must have H_kv >= 1 and D >= 1",
+        ),
         (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt must be one of"),
     ],
 }
@@ -481,3 +510,74 @@ def test_composable_helpers() -> None:
     V.check_aligned_16("op", "t", t[:, 1:], strides=True)  # CPU tensors are not checked
     V.check_last_dim_contiguous("op", "t", t[:, :1])  # a size-1 last dim has any stride
     V.check_choice("op", "layout", "bshd", V.KV_LAYOUTS)
+
+
+def test_kv_caches_interleaved_in_one_buffer_are_accepted():
+    """K and V as the two halves of each block of one buffer ([num_blocks, 2, ...], FlashInfer's
+    paged layout): their byte ranges meet but no element is shared.  The op writes what it writes
+    into separate caches."""
+    g = _good("fill_kv_cache_fp8")
+    nb = g["k_cache"].shape[0]
+    kv = torch.zeros(nb, 2, *g["k_cache"].shape[1:], dtype=FP8)
+    kv_scale = torch.zeros(nb, 2, *g["k_scale_cache"].shape[1:])
+    separate = {n: torch.zeros_like(g[n]) for n in ("k_cache", "v_cache", "k_scale_cache", "v_scale_cache")}
+    cute_moe.fill_kv_cache_fp8(**{**g, **separate})
+    shared = {"k_cache": kv[:, 0], "v_cache": kv[:, 1], "k_scale_cache": kv_scale[:, 0], "v_scale_cache": kv_scale[:, 1]}
+    cute_moe.fill_kv_cache_fp8(**{**g, **shared})
+    for name, t in shared.items():
+        assert torch.equal(t.view(torch.uint8) if t.dtype == FP8 else t,
+                           separate[name].view(torch.uint8) if t.dtype == FP8 else separate[name]), name  # fmt: skip
+    assert int(separate["k_cache"].view(torch.uint8).count_nonzero()) > 0  # the op wrote something
+
+
+def test_fused_moe_checks_align_kernel_limits_before_launching():
+    """T * k past align's kernel limit is refused by fused_moe / fused_moe_routed before their first
+    launch (route's), naming the op.  The device check only needs the tensor's device and shape."""
+    from types import SimpleNamespace
+
+    from cute_moe.kernels.align import MAX_ENTRIES
+
+    x = SimpleNamespace(shape=(MAX_ENTRIES // 8 + 1, 7168), device=torch.device("cuda"))
+    for op in ("fused_moe", "fused_moe_routed"):
+        with pytest.raises(NotImplementedError, match=rf"cute_moe\.{op}: no CUDA kernel for this input \(align's\): "
+                                                      rf"T \* k must be <= {MAX_ENTRIES}"):  # fmt: skip
+            cute_moe.ops._check_align_limits(op, x, 8, 256)
+    cute_moe.ops._check_align_limits("fused_moe", SimpleNamespace(shape=(MAX_ENTRIES // 8, 7168), device=x.device), 8, 256)
+    cute_moe.ops._check_align_limits("fused_moe", SimpleNamespace(shape=(10**7, 7168), device=torch.device("cpu")), 8, 256)
+
+
+def test_share_an_element_against_every_address():
+    """``_share_an_element`` on views of one buffer (same shape and strides: exact; other strides:
+    never a miss) against the sets of element addresses themselves."""
+    from cute_moe.validation import _nested_dims, _share_an_element
+
+    gen = torch.Generator().manual_seed(0)
+
+    def addresses(t: torch.Tensor) -> set[int]:
+        idx = torch.cartesian_prod(*[torch.arange(n) for n in t.shape]).reshape(-1, t.dim())
+        return set((idx * torch.tensor(t.stride())).sum(dim=1).add(t.storage_offset()).tolist())
+
+    buf = torch.zeros(4096, dtype=FP8)
+    interleaved = 0
+    for _ in range(1500):
+        shape = [int(n) for n in torch.randint(1, 5, (3,), generator=gen)]
+        order = torch.randperm(3, generator=gen).tolist()
+        pad = [int(p) for p in torch.randint(0, 3, (3,), generator=gen)]
+        strides, step = [0, 0, 0], 1
+        for d in reversed(order):  # a permuted, padded dense layout: nested strides
+            strides[d] = step
+            step *= shape[d] + pad[d]
+        other = strides if torch.rand(1, generator=gen) < 0.8 else [s + 1 for s in strides]
+        a = buf.as_strided(shape, strides, int(torch.randint(0, 200, (1,), generator=gen)))
+        b = buf.as_strided(shape, other, int(torch.randint(0, 200, (1,), generator=gen)))
+        if _nested_dims(b) is None and b.numel() > 1:
+            continue
+        addr_a, addr_b = addresses(a), addresses(b)
+        shared = bool(addr_a & addr_b)
+        got = _share_an_element(a, b)
+        if a.stride() == b.stride():
+            assert got == shared, (shape, strides, a.storage_offset(), b.storage_offset())
+            interleaved += not shared and min(addr_b) <= max(addr_a) and min(addr_a) <= max(addr_b)
+        else:
+            assert got or not shared
+    assert interleaved > 30  # views whose address ranges meet without a shared element were among them

@@ -102,6 +102,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from ..validation import INT32_MAX
 from .fp8_group import lanes_per_group, quantize_group_fp8
 from .moe_rows import GROUP, RowGroupKernel, checked_outputs, load_16b_async, rows_end
 from .reduce_common import opaque_zero
@@ -571,9 +572,11 @@ def permute_quant_cuda(
             _nonempty_rows(x), row_to_token, expert_offsets, a.view(torch.uint8), a_scale
         )
         return a, a_scale
-    # The kernel reads int32 rows; an int64 entry outside int32 is outside [0, M_cap) anyway, and
-    # the debug mode (the op's CUTE_MOE_DEBUG checks) names it before the narrowing could hide it.
-    t2r = token_to_row if token_to_row.dtype == torch.int32 else token_to_row.to(torch.int32)
+    # The kernel reads int32 rows.  An int64 entry outside int32 lies outside [0, M_cap) and is
+    # skipped like -1; a plain narrowing would wrap it onto some row (the debug mode names it).
+    t2r = token_to_row
+    if t2r.dtype != torch.int32:
+        t2r = torch.where((t2r >= -1) & (t2r <= INT32_MAX), t2r, -1).to(torch.int32)
     if x.shape[0] == 0:  # no token: one placeholder token routed nowhere (the zeroing CTAs, if any, still run)
         t2r = t2r.new_full((1, k), -1)
     token_scales = x.shape[0] >= TOKEN_SCALES_MIN_TOKENS
