@@ -155,6 +155,11 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     if score_bias is None:
         return None
     _check_tensor(where, "score_bias", score_bias, _FLOAT_W, (num_experts,), "[num_experts]")
+    # A NaN bias routes every token to one expert with finite outputs: checked once, here, as the
+    # op cannot without a host sync per call.
+    if V.holds_data(score_bias) and not bool(torch.isfinite(score_bias).all()):
+        _fail(where, f"score_bias must be finite, got {score_bias[~torch.isfinite(score_bias)][0].item()} "
+                     f"at expert {int((~torch.isfinite(score_bias)).nonzero()[0, 0])}")  # fmt: skip
     return score_bias.float()
 
 
@@ -311,6 +316,9 @@ class FusedMoE(torch.nn.Module):
     def route(self, router_logits: Tensor) -> tuple[Tensor, Tensor]:
         """The top-k this layer's ``forward`` uses: ``(topk_ids int32 [T, k], topk_weights f32 [T, k])``
         for ``router_logits`` ``[T, num_experts]`` (see :func:`cute_moe.route`)."""
+        if isinstance(router_logits, Tensor) and router_logits.dim() == 2 and router_logits.shape[1] != self.num_experts:
+            _fail("FusedMoE", f"router_logits must be [T, num_experts = {self.num_experts}], got shape "
+                              f"{list(router_logits.shape)}")  # fmt: skip
         return Fn.route(
             router_logits,
             self.top_k,
@@ -418,6 +426,10 @@ class FusedMoE(torch.nn.Module):
         for name, t in (("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
             if t.device != w13.device:
                 _fail(where, f"all weights must be on one device: w13 is on {w13.device}, {name} is on {t.device}")
+        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            # (a NaN or infinite block scale gives NaN rows; a zero or negative one is not a dequantization)
+            if V.holds_data(s) and not bool((torch.isfinite(s) & (s > 0)).all()):
+                _fail(where, f"{name} must be finite and > 0, got {s[~(torch.isfinite(s) & (s > 0))][0].item()}")
         if num_experts is None:
             V.check_int(where, "expert_offset", expert_offset, min=0)
             num_experts = expert_offset + e_local
@@ -604,6 +616,8 @@ class FusedMoE(torch.nn.Module):
             or not all(isinstance(n, str) for n in proj_names)
         ):
             _fail(where, f"proj_names must be three str (gate, up, down), got {proj_names!r}", TypeError)
+        if len(set(proj_names)) != 3:
+            _fail(where, f"proj_names must be three distinct names (gate, up, down), got {tuple(proj_names)!r}")
         # The configuration first (H and I are checked once the first expert is read).
         e_local = _check_config(
             where, num_experts, top_k, _B, _B, routing_method, n_group, topk_group, routed_scaling_factor,
@@ -757,6 +771,8 @@ class _TensorSource:
             path = os.fspath(checkpoint)
             if os.path.isdir(path):
                 files = self._dir_files(path)
+            elif os.path.isfile(path) and path.endswith(".json"):  # the index itself: its directory's shards
+                files = self._index_files(path)
             elif os.path.isfile(path):
                 files = [path]
             else:
@@ -782,18 +798,32 @@ class _TensorSource:
         for f in files:
             with safe_open(f, framework="pt") as h:
                 for k in h.keys():
-                    self._files.setdefault(k, f)
+                    if self._files.setdefault(k, f) != f:  # (a stale shard beside the current ones)
+                        _fail(where, f"checkpoint {self.what}: {k!r} is in two files, {self._files[k]!r} and {f!r}")
 
     def _dir_files(self, path: str) -> list[str]:
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map", {})
-            files = sorted({os.path.join(path, v) for v in weight_map.values()})
-        else:
-            files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+            return self._index_files(index)
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
         if not files:
             _fail(self.where, f"checkpoint directory {path!r} holds no .safetensors files")
+        return files
+
+    def _index_files(self, index: str) -> list[str]:
+        """The shards a ``model.safetensors.index.json`` maps tensors to, each checked to exist."""
+        try:
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map", {})
+        except (OSError, ValueError, AttributeError) as exc:
+            _fail(self.where, f"checkpoint index {index!r} is not a safetensors index (a JSON weight_map): {exc}")
+        folder = os.path.dirname(index)
+        files = sorted({os.path.join(folder, v) for v in weight_map.values()})
+        if not files:
+            _fail(self.where, f"checkpoint index {index!r} maps no tensor to a file")
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            _fail(self.where, f"checkpoint index {index!r} names shards that do not exist: {missing[:3]}")
         return files
 
     def __contains__(self, key: str) -> bool:

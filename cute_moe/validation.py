@@ -84,6 +84,11 @@ _GPU_MAX_TOPK = 32  # finalize's and moe_reduce's kernels take k <= 32 (kernels/
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
+def holds_data(t: Tensor) -> bool:
+    """A tensor whose values and addresses can be read: not meta, not a fake tensor under tracing."""
+    return type(t) in _PLAIN and not t.is_meta
+
+
 def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
     raise exc(f"cute_moe.{op}: {msg}")
 
@@ -858,8 +863,7 @@ def validate_fill_kv_cache_fp8(
         check_dtype(op, "v_states", v_states, k_states.dtype)
         for kn, kt, vn, vt in (("k_cache", k_cache, "v_cache", v_cache),
                                ("k_scale_cache", k_scale_cache, "v_scale_cache", v_scale_cache)):  # fmt: skip
-            real = type(vt) in _PLAIN and type(kt) in _PLAIN and not (vt.is_meta or kt.is_meta)
-            if real and _share_an_element(kt, vt):
+            if holds_data(kt) and holds_data(vt) and _share_an_element(kt, vt):
                 _fail(op, f"{vn} must not share memory with {kn} (the V side would overwrite the K side)")
         if v_states.shape[1] != k_states.shape[1]:
             _fail(

@@ -284,6 +284,21 @@ def test_from_hf_fp8_scale_dtypes_and_bias_keys() -> None:
         FusedMoE.from_hf_fp8(ernie, PREFIX, E, TOP_K, routing_method="renormalize")
 
 
+def _write_two_shards(sd: dict, folder) -> dict:
+    """``sd`` as two safetensors shards in ``folder`` and the index HF writes beside them; the index's
+    weight_map."""
+    from safetensors.torch import save_file
+
+    keys = sorted(sd)
+    weight_map = {}
+    for n, part in enumerate((keys[::2], keys[1::2])):
+        name = f"model-0000{n + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, str(folder / name))
+        weight_map.update(dict.fromkeys(part, name))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return weight_map
+
+
 def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
     g = torch.Generator().manual_seed(5)
@@ -300,16 +315,37 @@ def test_from_hf_fp8_safetensors_file_and_sharded_directory(tmp_path) -> None:
     # a sharded checkpoint: two files and the index HF writes beside them
     shard_dir = tmp_path / "sharded"
     shard_dir.mkdir()
-    keys = sorted(sd)
-    weight_map = {}
-    for n, part in enumerate((keys[::2], keys[1::2])):
-        name = f"model-0000{n + 1}-of-00002.safetensors"
-        safetensors_torch.save_file({k: sd[k] for k in part}, str(shard_dir / name))
-        weight_map.update(dict.fromkeys(part, name))
-    (shard_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _write_two_shards(sd, shard_dir)
     _assert_same_weights(layer, FusedMoE.from_hf_fp8(shard_dir, PREFIX, E, TOP_K, **DSV3))
     (shard_dir / "model.safetensors.index.json").unlink()  # no index: every *.safetensors in the directory
     _assert_same_weights(layer, FusedMoE.from_hf_fp8(shard_dir, PREFIX, E, TOP_K, **DSV3))
+
+
+def test_from_hf_fp8_index_path_missing_shard_and_duplicate_keys(tmp_path) -> None:
+    """The index file itself names its directory's shards; an index naming a shard that is not
+    there, and a key held by two files of a directory without an index (a stale shard), are refused."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    q13, s13, q2, s2 = _good_weights()
+    layer = FusedMoE.from_fp8(q13, s13, q2, s2, top_k=TOP_K)
+    sd = _hf_state_dict(layer)
+    weight_map = _write_two_shards(sd, tmp_path)
+    index = tmp_path / "model.safetensors.index.json"
+    _assert_same_weights(layer, FusedMoE.from_hf_fp8(index, PREFIX, E, TOP_K))
+    index.write_text(json.dumps({"weight_map": {**weight_map, "x": "model-00003-of-00003.safetensors"}}))
+    with pytest.raises(ValueError, match=r"FusedMoE\.from_hf_fp8: checkpoint index .* names shards that do not exist"):
+        FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K)
+    index.unlink()
+    key = sorted(sd)[0]
+    safetensors_torch.save_file({key: sd[key]}, str(tmp_path / "old.safetensors"))
+    with pytest.raises(ValueError, match=rf"'{re.escape(key)}' is in two files"):
+        FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K)
+
+
+def test_route_refuses_logits_of_another_width() -> None:
+    layer = FusedMoE.from_fp8(*_good_weights(), top_k=TOP_K)
+    for width in (E - 1, E + 1):
+        with pytest.raises(ValueError, match=rf"FusedMoE: router_logits must be \[T, num_experts = {E}\], got shape"):
+            layer.route(torch.randn(5, width))
 
 
 def test_from_hf_fp8_mixtral_names() -> None:
@@ -428,6 +464,11 @@ def _good_weights() -> tuple[torch.Tensor, ...]:
     return q13, s13, q2, s2
 
 
+def nan_at(t: torch.Tensor, i: int) -> torch.Tensor:
+    t.view(-1)[i] = float("nan")
+    return t
+
+
 def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
     q13, s13, q2, s2 = _good_weights()
     w13, w2 = q13.float(), q2.float()
@@ -515,6 +556,19 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
         ("hf prefix type", lambda: FusedMoE.from_hf_fp8(sd, 3, E, TOP_K), TypeError, r"prefix must be a str"),
         ("hf EP range", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, expert_offset=8), ValueError,
          r"expert_offset \+ num_local_experts|num_local_experts must be >= 1"),
+        # values that would give wrong or NaN outputs
+        ("bias NaN", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=nan_at(torch.zeros(E), 1), **DSV3),
+         ValueError, r"score_bias must be finite, got nan at expert 1"),
+        ("hf bias NaN", lambda: FusedMoE.from_hf_fp8(
+            {**sd, f"{PREFIX}gate.e_score_correction_bias": nan_at(torch.zeros(E), 5)}, PREFIX, E, TOP_K, **DSV3),
+         ValueError, r"score_bias must be finite, got nan at expert 5"),
+        ("scale NaN", lambda: FusedMoE.from_fp8(q13, nan_at(s13.clone(), 0), q2, s2, top_k=2), ValueError,
+         r"w13_scale must be finite and > 0, got nan"),
+        ("scale zero", lambda: FusedMoE.from_fp8(q13, s13, q2, s2 * 0, top_k=2), ValueError,
+         r"w2_scale must be finite and > 0, got 0\.0"),
+        ("hf proj names", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, proj_names=("gate_proj", "gate_proj",
+                                                                                        "down_proj")),
+         ValueError, r"proj_names must be three distinct names \(gate, up, down\)"),
     ]  # fmt: skip
 
 
