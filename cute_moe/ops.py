@@ -293,7 +293,9 @@ def route(
 ) -> tuple[Tensor, Tensor]:
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
     ids, w = R.route_ref(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
-    return ids.contiguous(), w.contiguous()
+    # Fresh [T, k] tensors: .contiguous() keeps a sliced view's strides when T <= 1 (torch counts
+    # it as contiguous), and the fake and the kernel give (k, 1).
+    return ids.new_empty(ids.shape).copy_(ids), w.new_empty(w.shape).copy_(w)
 
 
 @route.register_kernel("cuda")

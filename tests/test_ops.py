@@ -338,6 +338,16 @@ def test_quant_fp8_scale_layout(column_major: bool, rnd) -> None:
     assert s.stride() == ((1, 6) if column_major else (2, 1))
 
 
+@pytest.mark.parametrize(("T", "k", "method"), [(0, 4, "softmax"), (1, 4, "softmax"), (0, 1, "llama4"), (3, 2, "renormalize")])
+def test_route_outputs_have_the_fakes_strides(T: int, k: int, method: str) -> None:
+    """(k, 1) as the fake and the kernel give them, also where T <= 1 lets a view pass for contiguous."""
+    logits = torch.randn(T, 16)
+    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+        fake = torch.ops.cute_moe.route(mode.from_tensor(logits), k, method)
+    for got, want in zip(torch.ops.cute_moe.route(logits, k, method), fake):
+        assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+
+
 def test_align_m_cap_is_static(rnd) -> None:
     for T, k, E, a in [(1, 8, 256, 128), (7, 2, 4, 16), (0, 2, 4, 128)]:
         off, r2t, t2r, counts = cute_moe.align(rnd.topk_ids(T, k, E), E, alignment=a)
