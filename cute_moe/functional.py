@@ -117,7 +117,9 @@ def route(
     topk_group: int = 1,
     routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
-    """Top-k expert routing (all math in f32; ties go to the lower expert id).
+    """Top-k expert routing (all math in f32; ties go to the lower expert id, judged on the score
+    each method ranks by below: ``renormalize`` and ``llama4`` rank the logits themselves, so two
+    logits whose softmax values round equal are not a tie there).
 
     Args:
         router_logits: ``[T, E]`` f32, bf16 or fp16 (converted to f32, exactly; on the GPU that copy
@@ -129,7 +131,8 @@ def route(
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.
         n_group, topk_group: grouped top-k (``deepseek_v3`` only; 1 otherwise). ``E % n_group == 0``,
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
-        routed_scaling_factor: multiplies the final weights (every method); finite and > 0.
+        routed_scaling_factor: multiplies the final weights (every method); finite, > 0 and within
+            float32's normal range.
 
     The methods (``s``: scores over all E experts; ``w``: the chosen experts' weights):
 
