@@ -155,12 +155,16 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     if score_bias is None:
         return None
     _check_tensor(where, "score_bias", score_bias, _FLOAT_W, (num_experts,), "[num_experts]")
-    # A NaN bias routes every token to one expert with finite outputs: checked once, here, as the
-    # op cannot without a host sync per call.
-    if V.holds_data(score_bias) and not bool(torch.isfinite(score_bias).all()):
-        _fail(where, f"score_bias must be finite, got {score_bias[~torch.isfinite(score_bias)][0].item()} "
-                     f"at expert {int((~torch.isfinite(score_bias)).nonzero()[0, 0])}")  # fmt: skip
+    _check_no_nan(where, "score_bias", score_bias)
     return score_bias.float()
+
+
+def _check_no_nan(where: str, name: str, bias: Tensor) -> None:
+    """A NaN selection bias routes every token to one expert with finite outputs; checked once, at
+    construction, as the op cannot without a host sync per call (-inf, which masks an expert, is
+    allowed)."""
+    if V.holds_data(bias) and bool(bias.isnan().any()):
+        _fail(where, f"{name} must not be NaN, got NaN at expert {int(bias.isnan().nonzero()[0, 0])}")
 
 
 class FusedMoE(torch.nn.Module):
@@ -317,7 +321,7 @@ class FusedMoE(torch.nn.Module):
         """The top-k this layer's ``forward`` uses: ``(topk_ids int32 [T, k], topk_weights f32 [T, k])``
         for ``router_logits`` ``[T, num_experts]`` (see :func:`cute_moe.route`)."""
         if isinstance(router_logits, Tensor) and router_logits.dim() == 2 and router_logits.shape[1] != self.num_experts:
-            _fail("FusedMoE", f"router_logits must be [T, num_experts = {self.num_experts}], got shape "
+            _fail("FusedMoE.route", f"router_logits must be [T, num_experts = {self.num_experts}], got shape "
                               f"{list(router_logits.shape)}")  # fmt: skip
         return Fn.route(
             router_logits,
@@ -658,8 +662,9 @@ class FusedMoE(torch.nn.Module):
                 f"[ceil({what[1]}/128), ceil({what[4]}/128)]",
             )  # fmt: skip
             s = s.float()
-            if not bool(torch.isfinite(s).all()):  # (e8m0's 0xFF is NaN) a NaN block scale: NaN outputs
-                _fail(where, f"{sk!r} must be finite, got {s[~torch.isfinite(s)][0].item()}")
+            bad = ~(torch.isfinite(s) & (s > 0))  # (e8m0's 0xFF is NaN) a NaN block scale: NaN outputs
+            if bool(bad.any()):
+                _fail(where, f"{sk!r} must be finite and > 0, got {s[bad][0].item()}")
             return w, s
 
         for j in range(e_local):
@@ -688,6 +693,7 @@ class FusedMoE(torch.nn.Module):
                 )
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
+            _check_no_nan(where, repr(bias_key), b)
             bias = b.float()
         elif routing_method == "deepseek_v3":
             # Legal (grouped top-k without a bias), but a DeepSeek-V3 checkpoint always has one: a
@@ -762,7 +768,8 @@ class _TensorSource:
         self.device = None if device is None else torch.device(device)
         self.what = "state_dict"
         self._dict: Optional[Mapping[str, Any]] = None
-        self._files: dict[str, str] = {}  # key -> file
+        self._files: dict[str, list[str]] = {}  # key -> the files holding it (the index's one file, if any)
+        self._index: dict[str, str] = {}  # key -> file, from a model.safetensors.index.json
         self._open: dict[str, Any] = {}  # file -> safe_open handle
         if isinstance(checkpoint, Mapping):
             self._dict = checkpoint
@@ -798,8 +805,10 @@ class _TensorSource:
         for f in files:
             with safe_open(f, framework="pt") as h:
                 for k in h.keys():
-                    if self._files.setdefault(k, f) != f:  # (a stale shard beside the current ones)
-                        _fail(where, f"checkpoint {self.what}: {k!r} is in two files, {self._files[k]!r} and {f!r}")
+                    if k in self._index:
+                        self._files[k] = [self._index[k]]
+                    else:
+                        self._files.setdefault(k, []).append(f)
 
     def _dir_files(self, path: str) -> list[str]:
         index = os.path.join(path, "model.safetensors.index.json")
@@ -815,10 +824,12 @@ class _TensorSource:
         try:
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map", {})
-        except (OSError, ValueError, AttributeError) as exc:
-            _fail(self.where, f"checkpoint index {index!r} is not a safetensors index (a JSON weight_map): {exc}")
-        folder = os.path.dirname(index)
-        files = sorted({os.path.join(folder, v) for v in weight_map.values()})
+            folder = os.path.dirname(index)
+            self._index = {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        except (OSError, ValueError, AttributeError, TypeError) as exc:
+            _fail(self.where, f"checkpoint index {index!r} is not a safetensors index (a JSON weight_map of "
+                              f"tensor name -> file name): {exc}")  # fmt: skip
+        files = sorted(set(self._index.values()))
         if not files:
             _fail(self.where, f"checkpoint index {index!r} maps no tensor to a file")
         missing = [f for f in files if not os.path.isfile(f)]
@@ -837,7 +848,9 @@ class _TensorSource:
             if self.device is not None and isinstance(t, Tensor):
                 t = t.to(self.device)
             return t
-        f = self._files[key]
+        if len(self._files[key]) > 1:  # no index says which: a stale shard beside the current ones?
+            _fail(self.where, f"checkpoint {self.what}: {key!r} is in more than one file: {self._files[key]}")
+        f = self._files[key][0]
         if f not in self._open:
             dev = "cpu" if self.device is None else str(self.device)
             self._open[f] = self._safe_open(f, framework="pt", device=dev)

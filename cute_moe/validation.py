@@ -85,8 +85,10 @@ _PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def holds_data(t: Tensor) -> bool:
-    """A tensor whose values and addresses can be read: not meta, not a fake tensor under tracing."""
-    return type(t) in _PLAIN and not t.is_meta
+    """A tensor whose values and addresses can be read: not meta, not a fake tensor under tracing
+    (a Parameter subclass, e.g. vLLM's weight parameters, counts by its data)."""
+    plain = type(t) in _PLAIN or (isinstance(t, torch.nn.Parameter) and type(t.data) is Tensor)
+    return plain and not t.is_meta
 
 
 def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
@@ -794,8 +796,9 @@ def _check_no_self_overlap(op: str, name: str, t: Tensor) -> None:
     ``as_strided`` view): the kernels would race on them.  A contiguous tensor cannot; any other
     must have strides that nest (``_nested_dims``), which torch's own check cannot always tell."""
     if not t.is_contiguous() and t.numel() > 1 and _nested_dims(t) is None:
-        _fail(op, f"{name} must not have overlapping elements: its strides {tuple(t.stride())} for shape "
-                  f"{_shape(t)} do not nest (a zero stride, e.g. from expand, or an as_strided view)")  # fmt: skip
+        _fail(op, f"{name} must have strides that nest (each larger than the span of the smaller-stride dims), "
+                  f"so that no two elements can share an address; got strides {tuple(t.stride())} for shape "
+                  f"{_shape(t)} (a zero stride, e.g. from expand, or an as_strided view)")  # fmt: skip
 
 
 def _share_an_element(a: Tensor, b: Tensor) -> bool:

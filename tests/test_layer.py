@@ -266,7 +266,7 @@ def test_from_hf_fp8_scale_dtypes_and_bias_keys() -> None:
         _assert_same_weights(layer, loaded)
         assert loaded.w13_scale.dtype == torch.float32
     nan_key = next(k for k in sd if k.endswith("weight_scale_inv"))
-    with pytest.raises(ValueError, match=rf"{re.escape(repr(nan_key))} must be finite, got nan"):
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(nan_key))} must be finite and > 0, got nan"):
         nan_scales = torch.full_like(sd[nan_key], 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)
         FusedMoE.from_hf_fp8(sd | {nan_key: nan_scales}, PREFIX, E, TOP_K, **DSV3)
     gate_key = f"{PREFIX}gate.e_score_correction_bias"
@@ -334,17 +334,32 @@ def test_from_hf_fp8_index_path_missing_shard_and_duplicate_keys(tmp_path) -> No
     index.write_text(json.dumps({"weight_map": {**weight_map, "x": "model-00003-of-00003.safetensors"}}))
     with pytest.raises(ValueError, match=r"FusedMoE\.from_hf_fp8: checkpoint index .* names shards that do not exist"):
         FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K)
+    # a stale shard holding a tensor again: the index says which file is current; without an index
+    # only a tensor the loader reads is refused
+    k_gate, k_norm = f"{PREFIX}experts.0.gate_proj.weight", "model.layers.3.input_layernorm.weight"
+    safetensors_torch.save_file({k_gate: (sd[k_gate].float() / 2).to(FP8), k_norm: sd[k_norm]}, str(tmp_path / "old.safetensors"))
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    _assert_same_weights(layer, FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K))
     index.unlink()
-    key = sorted(sd)[0]
-    safetensors_torch.save_file({key: sd[key]}, str(tmp_path / "old.safetensors"))
-    with pytest.raises(ValueError, match=rf"'{re.escape(key)}' is in two files"):
+    with pytest.raises(ValueError, match=rf"'{re.escape(k_gate)}' is in more than one file"):
         FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K)
+    safetensors_torch.save_file({k_norm: sd[k_norm]}, str(tmp_path / "old.safetensors"))
+    _assert_same_weights(layer, FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K))
+
+
+def test_minus_inf_score_bias_masks_an_expert() -> None:
+    """-inf in the selection bias (an expert never chosen) is allowed, as the op allows it."""
+    bias = torch.zeros(E)
+    bias[3] = float("-inf")
+    layer = FusedMoE.from_fp8(*_good_weights(), top_k=TOP_K, score_bias=bias, **DSV3)
+    ids, w = layer.route(torch.randn(64, E))
+    assert not bool((ids == 3).any()) and bool(torch.isfinite(w).all())
 
 
 def test_route_refuses_logits_of_another_width() -> None:
     layer = FusedMoE.from_fp8(*_good_weights(), top_k=TOP_K)
     for width in (E - 1, E + 1):
-        with pytest.raises(ValueError, match=rf"FusedMoE: router_logits must be \[T, num_experts = {E}\], got shape"):
+        with pytest.raises(ValueError, match=rf"FusedMoE\.route: router_logits must be \[T, num_experts = {E}\], got"):
             layer.route(torch.randn(5, width))
 
 
@@ -464,6 +479,10 @@ def _good_weights() -> tuple[torch.Tensor, ...]:
     return q13, s13, q2, s2
 
 
+class _ScaleParameter(nn.Parameter):
+    """A Parameter subclass, as vLLM's weight parameters are."""
+
+
 def nan_at(t: torch.Tensor, i: int) -> torch.Tensor:
     t.view(-1)[i] = float("nan")
     return t
@@ -558,12 +577,17 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"expert_offset \+ num_local_experts|num_local_experts must be >= 1"),
         # values that would give wrong or NaN outputs
         ("bias NaN", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=nan_at(torch.zeros(E), 1), **DSV3),
-         ValueError, r"score_bias must be finite, got nan at expert 1"),
+         ValueError, r"score_bias must not be NaN, got NaN at expert 1"),
         ("hf bias NaN", lambda: FusedMoE.from_hf_fp8(
             {**sd, f"{PREFIX}gate.e_score_correction_bias": nan_at(torch.zeros(E), 5)}, PREFIX, E, TOP_K, **DSV3),
-         ValueError, r"score_bias must be finite, got nan at expert 5"),
+         ValueError, r"'model\.layers\.3\.mlp\.gate\.e_score_correction_bias' must not be NaN, got NaN at expert 5"),
         ("scale NaN", lambda: FusedMoE.from_fp8(q13, nan_at(s13.clone(), 0), q2, s2, top_k=2), ValueError,
          r"w13_scale must be finite and > 0, got nan"),
+        ("scale NaN, Parameter subclass", lambda: FusedMoE.from_fp8(
+            q13, _ScaleParameter(nan_at(s13.clone(), 3), requires_grad=False), q2, s2, top_k=2), ValueError,
+         r"w13_scale must be finite and > 0, got nan"),
+        ("hf scale zero", lambda: FusedMoE.from_hf_fp8(replaced(k_down_s, sd[k_down_s] * 0), PREFIX, E, TOP_K),
+         ValueError, rf"'{re.escape(k_down_s)}' must be finite and > 0, got 0\.0"),
         ("scale zero", lambda: FusedMoE.from_fp8(q13, s13, q2, s2 * 0, top_k=2), ValueError,
          r"w2_scale must be finite and > 0, got 0\.0"),
         ("hf proj names", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, proj_names=("gate_proj", "gate_proj",

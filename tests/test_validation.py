@@ -411,12 +411,12 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (
             lambda g: {"k_cache": _r(1, 1, 2, 128, dtype=FP8).expand(4, 4, 2, 128)},
             ValueError,
-            r"k_cache must not have overlapping elements: its strides \(0, 0, 128, 1\) .* do not nest",
+            r"k_cache must have strides that nest .* got strides \(0, 0, 128, 1\) for shape",
         ),
         (
             lambda g: {"k_cache": _r(4 * 4 * 2 * 128, dtype=FP8).as_strided((4, 4, 2, 128), (128, 64, 128, 1))},
             ValueError,
-            r"k_cache must not have overlapping elements: its strides \(128, 64, 128, 1\)",
+            r"k_cache must have strides that nest .* got strides \(128, 64, 128, 1\)",
         ),
         (lambda g: {"v_cache": g["k_cache"]}, ValueError, r"v_cache must not share memory with k_cache"),
         (lambda g: {"v_scale_cache": g["k_scale_cache"]}, ValueError, r"v_scale_cache must not share memory with k_scale"),
@@ -528,6 +528,26 @@ def test_kv_caches_interleaved_in_one_buffer_are_accepted():
         assert torch.equal(t.view(torch.uint8) if t.dtype == FP8 else t,
                            separate[name].view(torch.uint8) if t.dtype == FP8 else separate[name]), name  # fmt: skip
     assert int(separate["k_cache"].view(torch.uint8).count_nonzero()) > 0  # the op wrote something
+
+
+def test_fused_moe_ops_check_align_limits_before_any_step(monkeypatch):
+    """fused_moe and fused_moe_routed run the check after validation and before their first step."""
+    from cute_moe import ops
+
+    class Checked(Exception):
+        pass
+
+    steps = []
+    monkeypatch.setattr(ops, "call", lambda name, *a: steps.append(name))
+
+    def check(op, x, top_k, e_local):
+        raise Checked(op)
+
+    monkeypatch.setattr(ops, "_check_align_limits", check)
+    for op in ("fused_moe", "fused_moe_routed"):
+        with pytest.raises(Checked, match=op):
+            getattr(cute_moe, op)(**_good(op))
+    assert steps == []
 
 
 def test_fused_moe_checks_align_kernel_limits_before_launching():
