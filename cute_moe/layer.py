@@ -159,6 +159,16 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     return score_bias.float()
 
 
+def _check_block_scales(where: str, name: str, scales: Tensor) -> None:
+    """A NaN or infinite block scale gives NaN rows, and a zero or negative one is no dequantization;
+    checked once, at construction."""
+    if not V.holds_data(scales):
+        return
+    bad = ~(torch.isfinite(scales) & (scales > 0))
+    if bool(bad.any()):
+        _fail(where, f"{name} must be finite and > 0, got {scales[bad][0].item()}")
+
+
 def _check_no_nan(where: str, name: str, bias: Tensor) -> None:
     """A NaN selection bias routes every token to one expert with finite outputs; checked once, at
     construction, as the op cannot without a host sync per call (-inf, which masks an expert, is
@@ -430,10 +440,8 @@ class FusedMoE(torch.nn.Module):
         for name, t in (("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
             if t.device != w13.device:
                 _fail(where, f"all weights must be on one device: w13 is on {w13.device}, {name} is on {t.device}")
-        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
-            # (a NaN or infinite block scale gives NaN rows; a zero or negative one is not a dequantization)
-            if V.holds_data(s) and not bool((torch.isfinite(s) & (s > 0)).all()):
-                _fail(where, f"{name} must be finite and > 0, got {s[~(torch.isfinite(s) & (s > 0))][0].item()}")
+        _check_block_scales(where, "w13_scale", w13_scale)
+        _check_block_scales(where, "w2_scale", w2_scale)
         if num_experts is None:
             V.check_int(where, "expert_offset", expert_offset, min=0)
             num_experts = expert_offset + e_local
@@ -662,9 +670,7 @@ class FusedMoE(torch.nn.Module):
                 f"[ceil({what[1]}/128), ceil({what[4]}/128)]",
             )  # fmt: skip
             s = s.float()
-            bad = ~(torch.isfinite(s) & (s > 0))  # (e8m0's 0xFF is NaN) a NaN block scale: NaN outputs
-            if bool(bad.any()):
-                _fail(where, f"{sk!r} must be finite and > 0, got {s[bad][0].item()}")
+            _check_block_scales(where, repr(sk), s)  # (e8m0's 0xFF reads as NaN)
             return w, s
 
         for j in range(e_local):

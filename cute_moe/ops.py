@@ -293,9 +293,9 @@ def route(
 ) -> tuple[Tensor, Tensor]:
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
     ids, w = R.route_ref(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
-    # Fresh [T, k] tensors: .contiguous() keeps a sliced view's strides when T <= 1 (torch counts
-    # it as contiguous), and the fake and the kernel give (k, 1).
-    return ids.new_empty(ids.shape).copy_(ids), w.new_empty(w.shape).copy_(w)
+    # clone, not .contiguous(): that keeps a sliced view's strides when T <= 1 (torch counts it as
+    # contiguous), and the fake and the kernel give (k, 1).
+    return ids.clone(memory_format=torch.contiguous_format), w.clone(memory_format=torch.contiguous_format)
 
 
 @route.register_kernel("cuda")
@@ -654,9 +654,7 @@ def _check_align_limits(op: str, x: Tensor, top_k: int, e_local: int) -> None:
     T = x.shape[0]
     if x.device.type != "cuda" or T == 0 or top_k == 0:
         return
-    from cute_moe.kernels.align import AlignKernel  # noqa: PLC0415 (needs the CuTe DSL)
-
-    reason = AlignKernel.can_implement(top_k, e_local, _MOE_ALIGNMENT, T)
+    reason = _launcher("align", "AlignKernel").can_implement(top_k, e_local, _MOE_ALIGNMENT, T)
     if reason is not None:
         raise NotImplementedError(f"cute_moe.{op}: no CUDA kernel for this input (align's): {reason}")
 
