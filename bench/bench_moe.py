@@ -365,7 +365,8 @@ def bench_point(timer, m: Model, w: Weights, T: int, impls: dict, reps: int) -> 
         try:
             outs[impl] = fn().float()
             us, how = _time(timer, fn, reps)
-            row(impl, us, how, w_bytes, "")
+            # an expert-parallel slice that got no routed rows still runs every launch
+            row(impl, us, how, w_bytes, "" if slots else "no routed rows on this slice: launches only")
         except Exception as exc:  # noqa: BLE001 (a failing implementation never stops the bench)
             torch.cuda.synchronize()
             row(impl, None, None, w_bytes, _fmt_exc(exc))
