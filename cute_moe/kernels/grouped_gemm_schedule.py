@@ -167,7 +167,7 @@ def wide_tile(m_cap: int, num_experts: int, k: int, has_counts: bool, expected_m
     return tiles >= 1
 
 
-def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float) -> bool:
+def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float, has_counts: bool = False) -> bool:
     """The sm90 kernel's store-behind epilogue for short K loops (at most 16 K blocks), where the
     epilogue is a tenth of a tile's time: same-run A/B on the 7168x2048 contiguous and EP shapes
     -3.4 to -3.8%, decode and routed 0 to -1% (bench/NOTES.md, session 8).  At K = 7168 its stage
@@ -178,8 +178,13 @@ def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float) -> bool:
     +1.0% (session 21); there the bf16 epilogue is ~11% of the GEMM's time when not behind.  The
     rule holds for any wide GEMM at K <= 2048, e.g. Qwen3-30B-A3B's w13 (K = 2048) from T = 3072
     (measured for it in session 22: bench/NOTES.md), and ``tiles_per_expert``, without the op's
-    ``expected_m``, overcounts on expert-parallel slices (``real_tiles_per_expert``)."""
-    if k > 16 * TILE_K:
+    ``expected_m``, overcounts on expert-parallel slices (``real_tiles_per_expert``).
+    Not with expert counts (``has_counts``) under one real M tile per expert (decode): there most
+    tiles hold at most 64 real rows and the sm90 kernel stores them from registers, never through
+    this epilogue, which would only cost a stage and A's short boxes (the kernel loads the first
+    16 / 64 rows of A only without it).  Same-run A/B on an H100 (session 28; not yet on an H200),
+    DeepSeek-V3's w2 at T = 1 / 16 / 128 / 1024: -2.6 / -3.9 / -4.3 / -2.9% without it."""
+    if k > 16 * TILE_K or (has_counts and tiles_per_expert < 1):
         return False
     return not wide or tiles_per_expert >= WIDE_STORE_BEHIND_TILES
 
@@ -205,7 +210,7 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
         along_m = cluster_along_m(m_cap, num_experts, k, tile_n == WIDE_TILE_N, has_counts, expected_m)
     if store_behind is None:
         tiles = real_tiles_per_expert(m_cap, num_experts, expected_m)
-        store_behind = store_behind_epilogue(k, tile_n == WIDE_TILE_N, tiles)
+        store_behind = store_behind_epilogue(k, tile_n == WIDE_TILE_N, tiles, has_counts)
     return bool(along_m), bool(store_behind), tile_n
 
 

@@ -35,8 +35,8 @@ has room for 4 stages only (3 beside the store-behind epilogue), and its math go
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.  With expert counts, pairs along N and
-  no store-behind epilogue (DeepSeek-V3's w13 GEMM, and its 256-wide w2 below 1.5 real M tiles per
-  expert, T < 6144) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
+  no store-behind epilogue (DeepSeek-V3's w13 GEMM; its w2 at decode sizes, under one real M tile
+  per expert, and 256 wide below 1.5, T < 6144) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
@@ -59,7 +59,7 @@ has room for 4 stages only (3 beside the store-behind epilogue), and its math go
   promotion overlaps the other warp group's WGMMAs instead of its own.  After a tile's last K block the
   accumulator goes to bf16 through shared memory (stmatrix, 128 x 32 sub-tiles) and
   out by TMA stores, which clip columns past N; the producer warps meanwhile run
-  ahead into the next tile.  For short K loops (K <= 2048, ``store_behind_epilogue``)
+  ahead into the next tile.  For short K loops (K <= 2048, except at decode sizes with counts: ``store_behind_epilogue``)
   the whole tile goes to shared memory at once and its stores drain during the next
   tile's K loop (the 256-wide tile: only where experts average 1.5 real M tiles or more, as it
   costs a stage); otherwise two sub-tile buffers alternate, each reused once read.
