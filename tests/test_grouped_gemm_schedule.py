@@ -206,20 +206,22 @@ def test_store_behind_rule_of_the_wide_tile():
     assert gs.store_behind_epilogue(2048, False, 0.0) and gs.store_behind_epilogue(2048, True, 1.5)
     assert not gs.store_behind_epilogue(2048, True, 1.49) and not gs.store_behind_epilogue(2048 + 128, False, 9.0)
     assert not gs.store_behind_epilogue(7168, True, 9.0)
-    # with expert counts, decode sizes (under one real tile per expert) keep their stage and A boxes
-    assert not gs.store_behind_epilogue(2048, False, 0.99, has_counts=True)
-    assert gs.store_behind_epilogue(2048, False, 1.0, has_counts=True)
-    assert gs.store_behind_epilogue(2048, False, 0.5, has_counts=False)
+    # with expert counts, decode sizes (under half a real tile per expert) keep their stage and A boxes
+    assert not gs.store_behind_epilogue(2048, False, 0.49, has_counts=True)
+    assert gs.store_behind_epilogue(2048, False, 0.5, has_counts=True)
+    assert gs.store_behind_epilogue(2048, False, 0.25, has_counts=False)
     assert gs.sm90_launch_config(m_cap(6144), 256, 2048, True) == (False, True, 256)
     assert gs.sm90_launch_config(m_cap(6080), 256, 2048, True) == (False, False, 256)
     # A forced width takes the rule for that width: 256 at K = 7168 never stores behind, 128 at K = 2048
     # from one real tile per expert with counts, at any size without.
     assert gs.sm90_launch_config(m_cap(16384), 256, 7168, True, tile_n=256)[1:] == (False, 256)
     assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True, tile_n=128)[1:] == (True, 128)
-    # Decode (DeepSeek-V3's w2 at T = 1 / 1024: 128 wide) with align's counts does not store behind.
+    # Decode (DeepSeek-V3's w2 at T = 1 / 1024: 128 wide) with align's counts does not store behind;
+    # from T = 2048 (64 rows per expert) it does, as without counts.
     assert gs.sm90_launch_config(m_cap(1), 256, 2048, True) == (False, False, 128)
     assert gs.sm90_launch_config(m_cap(1024), 256, 2048, True) == (False, False, 128)
     assert gs.sm90_launch_config(m_cap(1024), 256, 2048, True, expected_m=32) == (False, False, 128)
+    assert gs.sm90_launch_config(m_cap(2048), 256, 2048, True, expected_m=64) == (False, True, 128)
     assert gs.sm90_launch_config(m_cap(1024), 256, 2048, False) == (False, True, 128)
 
 

@@ -35,8 +35,8 @@ has room for 4 stages only (3 beside the store-behind epilogue), and its math go
 * warp 0 (TMA): per K block, the A tile (128 x 128) and expert ``e``'s B tile
   (``tile_n`` x 128) into one of the shared-memory stages (``PipelineTmaAsync``), each by one
   load or by halves multicast within the cluster as above.  With expert counts, pairs along N and
-  no store-behind epilogue (DeepSeek-V3's w13 GEMM; its w2 at decode sizes, under one real M tile
-  per expert, and 256 wide below 1.5, T < 6144) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
+  no store-behind epilogue (DeepSeek-V3's w13 GEMM; its w2 at decode sizes, under half a real M
+  tile per expert, T < 2048, and 256 wide below 1.5, T < 6144) only A's first 16, 64 or 128 rows (``A_BOX_ROWS``), the first box that holds the tile's real rows, looked up with the visit's expert; the rest of the stage keeps older
   rows, which reach only accumulator rows that are never stored.  At decode A's 128-row tile was
   half of what a CTA read per K block (from L2) for a row or two of it.
 * warp 1 (scales): per K block, ``cp.async`` of the tile's 128 A scales (MN-major,
@@ -186,7 +186,8 @@ class GroupedGemmFp8Sm90:
         # tiles (bench/NOTES.md, session 15) on the w13 GEMM from decode to routed T = 4096, where they
         # paid; with pairs along M and under store_behind (128 wide at K <= 2048, session 15) whole
         # tiles were as quick or quicker.  The 256-wide tile at K <= 2048 keeps them below
-        # WIDE_STORE_BEHIND_TILES real M tiles per expert, where it does not store behind.
+        # WIDE_STORE_BEHIND_TILES real M tiles per expert, where it does not store behind, and the
+        # 128-wide one below DECODE_TILES (session 28).
         self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
         self.epi_buffers = tile_n // EPI_N if store_behind else EPI_BUFFERS
         # SharedStorage's size (asserted where it is declared): each field at its alignment, the whole
