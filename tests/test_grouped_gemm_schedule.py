@@ -199,7 +199,8 @@ def test_sm90_launch_config():
 
 
 def test_store_behind_rule_of_the_wide_tile():
-    """K <= 2048 only; the 256-wide tile from 1.5 real M tiles per expert (DeepSeek-V3's w2 from T = 6144)."""
+    """K <= 2048 only; the 256-wide tile from 1.5 real M tiles per expert (DeepSeek-V3's w2 from T = 6144);
+    with expert counts, neither width under half a real M tile per expert (decode)."""
     def m_cap(t, experts=256):
         return -(-(8 * t + experts * 127) // 128) * 128
 
@@ -213,7 +214,7 @@ def test_store_behind_rule_of_the_wide_tile():
     assert gs.sm90_launch_config(m_cap(6144), 256, 2048, True) == (False, True, 256)
     assert gs.sm90_launch_config(m_cap(6080), 256, 2048, True) == (False, False, 256)
     # A forced width takes the rule for that width: 256 at K = 7168 never stores behind, 128 at K = 2048
-    # from one real tile per expert with counts, at any size without.
+    # from half a real tile per expert with counts, at any size without.
     assert gs.sm90_launch_config(m_cap(16384), 256, 7168, True, tile_n=256)[1:] == (False, 256)
     assert gs.sm90_launch_config(m_cap(4096), 256, 2048, True, tile_n=128)[1:] == (True, 128)
     # Decode (DeepSeek-V3's w2 at T = 1 / 1024: 128 wide) with align's counts does not store behind;

@@ -44,7 +44,11 @@ CLUSTER_N = 2  # CTAs per cluster, on adjacent N tiles of one M tile: they share
 CLUSTER_M = 2  # sm90 at prefill MoE shapes: CTAs on M tiles 2i, 2i + 1 of one N tile, sharing B when one expert
 PAIRS_PER_BAND = 4  # sm90, prefill: M-tile pairs per band of the visit order (8 M tiles)
 WIDE_STORE_BEHIND_TILES = 1.5  # sm90: real M tiles per expert from which the 256-wide tile stores behind
-DECODE_TILES = 0.5  # sm90, with expert counts: real M tiles per expert below which no tile stores behind
+# sm90, with expert counts: a tile with at most this many real rows (all in the first math warp group's
+# half; decode, and the last tile of many segments) is stored straight from that group's registers.
+SPARSE_ROWS = TILE_M // 2
+# sm90, with expert counts: real M tiles per expert below which no tile stores behind (decode)
+DECODE_TILES = SPARSE_ROWS / TILE_M
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1, tile_n: int = TILE_N) -> int:
@@ -180,12 +184,13 @@ def store_behind_epilogue(k: int, wide: bool, tiles_per_expert: float, has_count
     rule holds for any wide GEMM at K <= 2048, e.g. Qwen3-30B-A3B's w13 (K = 2048) from T = 3072
     (measured for it in session 22: bench/NOTES.md), and ``tiles_per_expert``, without the op's
     ``expected_m``, overcounts on expert-parallel slices (``real_tiles_per_expert``).
-    Not with expert counts (``has_counts``) under ``DECODE_TILES`` real M tiles per expert (64 rows):
-    there most tiles hold at most 64 real rows and the sm90 kernel stores them from registers, never
-    through this epilogue, which would only cost a stage and A's short boxes (the kernel loads the
-    first 16 / 64 rows of A only without it).  Same-run A/B on an H100 (session 28; not yet on an
-    H200), DeepSeek-V3's w2 at T = 1 / 16 / 128 / 1024 (up to 0.25 real tiles per expert): -2.6 /
-    -3.9 / -4.3 / -2.9% without it; between 0.25 and 0.5 not measured."""
+    Not with expert counts (``has_counts``) under ``DECODE_TILES`` real M tiles per expert
+    (``SPARSE_ROWS`` = 64 rows): there most tiles hold at most that many real rows and the sm90
+    kernel stores them from registers, never through this epilogue, which would only cost a stage
+    and A's short boxes (the kernel loads the first 16 / 64 rows of A only without it).  Same-run
+    A/B on an H100 (session 28; not yet on an H200), DeepSeek-V3's w2 at T = 1 / 16 / 128 / 1024
+    (up to 0.25 real tiles per expert): -2.6 / -3.9 / -4.3 / -2.9% without it; between 0.25 and 0.5
+    not measured."""
     if k > 16 * TILE_K or (has_counts and tiles_per_expert < DECODE_TILES):
         return False
     return not wide or tiles_per_expert >= WIDE_STORE_BEHIND_TILES

@@ -59,8 +59,8 @@ has room for 4 stages only (3 beside the store-behind epilogue), and its math go
   promotion overlaps the other warp group's WGMMAs instead of its own.  After a tile's last K block the
   accumulator goes to bf16 through shared memory (stmatrix, 128 x 32 sub-tiles) and
   out by TMA stores, which clip columns past N; the producer warps meanwhile run
-  ahead into the next tile.  For short K loops (K <= 2048, except at decode sizes with counts: ``store_behind_epilogue``)
-  the whole tile goes to shared memory at once and its stores drain during the next
+  ahead into the next tile.  For short K loops (K <= 2048, except at decode sizes with counts:
+  ``store_behind_epilogue``) the whole tile goes to shared memory at once and its stores drain during the next
   tile's K loop (the 256-wide tile: only where experts average 1.5 real M tiles or more, as it
   costs a stage); otherwise two sub-tile buffers alternate, each reused once read.
   With ``expert_counts``, a warp group whose 64 rows of the tile are all past the
@@ -96,9 +96,10 @@ from .fp8_group import quantize_group_fp8
 from .host_checks import empty_mn_major
 from .silu_mul_quant import silu_mul
 from .grouped_gemm_schedule import (
-    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, TILE_K, TILE_M, TILE_N, WIDE_TILE_N, can_implement,
-    check_sm90_variant, cluster_along_m, expert_and_rows, fake_operands, fp8_operands, launch, launch_grid, load_scales,
-    pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords, visit_expert,
+    CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, SPARSE_ROWS, TILE_K, TILE_M, TILE_N, WIDE_TILE_N,
+    can_implement, check_sm90_variant, cluster_along_m, expert_and_rows, fake_operands, fp8_operands, launch,
+    launch_grid, load_scales, pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords,
+    visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
@@ -114,9 +115,6 @@ _PRODUCER_REGS, _CONSUMER_REGS = 40, 232
 _TMA_WARP, _SCALE_WARP = 0, 1
 _NUM_CONSUMER_WARPS = 8
 _EPI_BARRIER = 1  # named barrier of the math warps (0 is __syncthreads)
-# With expert counts, a tile with at most this many real rows (all in the first math warp group's
-# half; decode, and the last tile of many segments) is stored straight from that group's registers.
-SPARSE_ROWS = TILE_M // 2
 # With expert counts, the TMA warp loads only the first R rows of a tile's A block, R the first of
 # these at or above the tile's real rows (decode tiles hold a few; a segment has at most T rows).
 A_BOX_ROWS = (16, SPARSE_ROWS, TILE_M)
