@@ -88,7 +88,7 @@ def cases(ops=None):
         "permute_quant": lambda: ops.permute_quant(x, r2t, off, None),
         "grouped_gemm_fp8": lambda: ops.grouped_gemm_fp8(a_small, a_small_s, b_small, b_small_s, off, counts),
         "silu_mul_quant": lambda: ops.silu_mul_quant(h, off, True, None),
-        # at T=1 the GEMM and silu_mul_quant's kernels (the fused kernel is for prefill)
+        # at T=1 one kernel: the 128-wide SwiGLU GEMM (the GEMM and silu_mul_quant's kernels before session 29)
         "grouped_gemm_fp8_swiglu": lambda: ops.grouped_gemm_fp8_swiglu(a_small, a_small_s, w13_small, w13_small_s, off,
                                                                        counts, True, None),  # fmt: skip
         "finalize": lambda: ops.finalize(y, w, t2r),

@@ -14,7 +14,9 @@ no GPU, and these properties of its binary hold (the first two once failed only 
   one), 2.2-2.6% slower on the contiguous shapes (bench/NOTES.md, session 16).
 * the expert-counts variants store a tile of at most 64 real rows from registers, two bf16 per
   4-byte store (``STG.E``, a 2-byte ``STG.E.U16`` would double the store instructions); the plain
-  variants store through shared memory and TMA only.
+  variants store through shared memory and TMA only;
+* the 128-wide SwiGLU variant exchanges row amaxes within the cluster pair by ``st.async`` and
+  stores its codes from registers, two per 2-byte store.
 
 The innermost loop holding 8 ``QGMMA`` (a K-block pair of the 128-wide tile, one K block's two
 halves of the 256-wide one) is found from the SASS branches (a branch to an earlier label closes a
@@ -104,7 +106,7 @@ def test_a_boxes_only_with_counts_along_n_and_long_k(report):
     for v in report["variants"]:
         name = v["name"]
         boxed = "expert_counts" in name and "A shared" in name and "store-behind" not in name
-        # the SwiGLU variants load B as two 128-row boxes (gate, up), each whole or multicast halves
+        # the SwiGLU variants load B as two boxes (gate rows, up rows), each whole or multicast halves
         expected = (3 if boxed else 1) + (2 if "B shared" in name else 1) * (2 if "gate | up" in name else 1)
         assert len(re.findall(r"\bUTMALDG\b", v["sass"])) == expected, name
 
@@ -119,6 +121,16 @@ def test_sparse_epilogue_stores_bf16_pairs(report):
     for v in others:
         kinds = {m.group(0) for m in stores.finditer(v["sass"])}
         assert kinds == {"STG.E"}, (v["name"], kinds)
+
+
+def test_pair_split_swiglu_exchanges_amax_and_stores_code_pairs(report):
+    """The 128-wide SwiGLU variant: each row's amax goes to the pair's other CTA by ``st.async``
+    (``STAS``, one per row of the thread), the codes leave from registers two per 2-byte store, and
+    nothing goes through a TMA store."""
+    (v,) = [v for v in report["variants"] if "gate | up" in v["name"] and "128x128x128" in v["name"]]
+    ops = [m.group(1) for m in map(_OPCODE.match, v["sass"].splitlines()) if m]
+    assert ops.count("STAS") == 2, ops.count("STAS")
+    assert re.search(r"\bSTG\.E\.U16\b", v["sass"]) and "UTMASTG" not in ops, v["name"]
 
 
 def test_launcher_refuses_a_variant_it_does_not_have_before_any_launch():

@@ -460,7 +460,8 @@ def test_expert_parallel_shards_sum_to_the_unsharded_layer(model: str):
 
 def test_expert_parallel_hint_changes_the_launch_not_the_output():
     """An EP8-like slice (32 of DeepSeek-V3's 256 experts) at T = 4096: M_cap's estimate counts every
-    routed row as local and keeps 32 experts on the 128-wide tile and two kernels; the global
+    routed row as local and keeps 32 experts on the 128-wide tiles (the SwiGLU kernel's pair-split
+    form); the global
     expert count (fused_moe's own, or fused_moe_routed's ``num_experts``) gives 128 rows per expert:
     the 256-wide tile paired along M and the fused SwiGLU kernel.  The outputs are the same bits."""
     from cute_moe.kernels import grouped_gemm_schedule as gs  # noqa: PLC0415
@@ -468,8 +469,8 @@ def test_expert_parallel_hint_changes_the_launch_not_the_output():
     m, w = MODELS["deepseek_v3"], weights("deepseek_v3")
     T, sl, e_local = 4096, slice(32, 64), 32
     m_cap, expected_m = R.m_cap(T, m.top_k, e_local, ALIGNMENT), T * m.top_k // m.E
-    assert not gs.sm90_swiglu_fuses(m_cap, e_local, m.H, True)
-    assert gs.sm90_swiglu_fuses(m_cap, e_local, m.H, True, expected_m)
+    assert gs.sm90_swiglu_tile(m_cap, e_local, m.H, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(m_cap, e_local, m.H, True, expected_m) == gs.WIDE_TILE_N
     assert gs.sm90_launch_config(m_cap, e_local, m.I, True, expected_m=expected_m)[2] == gs.WIDE_TILE_N
     x, logits = make_inputs(m, w, T, seed=808)
     ids, wts = cute_moe.route(logits, m.top_k, m.routing, score_bias=w.bias, n_group=m.n_group,

@@ -75,10 +75,77 @@ def test_fused_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
         f"{(qr.view(torch.uint8) != q2r.view(torch.uint8)).sum().item()} codes differ"
 
 
+# The 128-wide variant (a tile holds 64 gate and 64 up columns, the pair's two tiles one 1x128 group,
+# whose amax the two CTAs exchange): (experts, rows per expert, I, K).  Decode sizes, where the rule
+# takes it with expert counts (DeepSeek-V3's w13 on 8 experts; K = 2048 below half a real tile per
+# expert, where the plain GEMM does not store behind), and experts of several full tiles (every
+# row of a tile live: the exchange of dense tiles), I / 128 odd (3 pairs of N tiles), empty experts.
+SPLIT_CASES = {
+    "E8_rows3_I2048_K7168_dsv3_decode": (8, 3, 2048, 7168),
+    "E64_rows20_I256_K2048_decode": (64, 20, 256, 2048),
+    "E16_rows300_I384_K4096_dense": (16, 300, 384, 4096),
+    "E32_rows90_I128_K1024_empty": (32, 90, 128, 1024),
+}
+
+
+@pytest.mark.parametrize("counted", [True, False], ids=["counts", "no_counts"])
+@pytest.mark.parametrize("scale_fmt", [None, "ue8m0"])
+@pytest.mark.parametrize("gate_first", [True, False])
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+def test_pair_split_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
+    """The 128-wide kernel's codes and scales equal the two kernels' bit for bit on every real row,
+    every row of an expert-count-free launch included; with expert counts where the rule takes it."""
+    from cute_moe.kernels import grouped_gemm_sm90 as g90
+
+    E, rows, inter, K = SPLIT_CASES[case]
+    seed = sum(map(ord, case)) * 17 + 2 * gate_first + (scale_fmt is not None) + 4 * counted
+    rng = random.Random(seed)
+    counts = deepgemm_counts(E, rows, rng)
+    if case.endswith("_empty"):
+        counts = [0 if e in (0, E - 1) or rng.random() < 0.5 else c for e, c in enumerate(counts)]
+    routing = routing_from_counts(counts)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13, w13_scale = expert_weights(E, 2 * inter, K, g)
+    a, a_scale = activations(routing, K, g)
+    cnt = torch.tensor(counts, dtype=torch.int32, device="cuda") if counted else None
+    if counted and "decode" in case:
+        assert gs.sm90_swiglu_tile(a.shape[0], E, K, True) == gs.TILE_N, "the rule must take the 128-wide kernel"
+    op = torch.ops.cute_moe
+    poison_pools(max(256 << 20, a.shape[0] * inter * 8))
+    q, s = g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, routing.offsets, cnt, gate_first, scale_fmt,
+                                            tile_n=gs.TILE_N)  # fmt: skip
+    h = op.grouped_gemm_fp8(a, a_scale, w13, w13_scale, routing.offsets, cnt)
+    q2, s2 = op.silu_mul_quant(h, routing.offsets, gate_first, scale_fmt, cnt)
+    assert q.shape == q2.shape and s.shape == s2.shape and s.stride() == s2.stride()
+    live = routing.real if counted else torch.arange(a.shape[0], device="cuda") < routing.end
+    qr, sr, q2r, s2r = q[live], s[live], q2[live], s2[live]
+    assert not sr.isnan().any() and not qr.float().isnan().any(), "unwritten or NaN rows"
+    assert torch.equal(sr, s2r), f"{(sr != s2r).sum().item()} scales differ"
+    assert torch.equal(qr.view(torch.uint8), q2r.view(torch.uint8)), \
+        f"{(qr.view(torch.uint8) != q2r.view(torch.uint8)).sum().item()} codes differ"
+
+
+def test_pair_split_misaligned_segments_give_nan_codes():
+    """With expert counts, a misaligned segment's tiles are written whole as NaN codes (the pair's
+    exchanged amax of NaN rows included), never left as what the allocator held."""
+    from cute_moe.kernels import grouped_gemm_sm90 as g90
+
+    routing = routing_from_counts([128, 72, 184])
+    g = torch.Generator(device="cuda").manual_seed(35)
+    w13, w13_scale = expert_weights(3, 256, 1024, g)
+    a, a_scale = activations(routing, 1024, g)
+    routing.offsets.copy_(torch.tensor([0, 128, 200, 384], dtype=torch.int32))
+    counts = torch.tensor([128, 40, 100], dtype=torch.int32, device="cuda")
+    poison_pools(256 << 20, fill=0)  # zeros, not NaN: an unwritten row would pass as a plausible answer
+    q, _ = g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, routing.offsets, counts, tile_n=gs.TILE_N)
+    assert bool(q[128:384].float().isnan().all()), "a misaligned segment's tiles must be NaN"
+    assert not q[:128].float().isnan().any()
+
+
 def test_expected_m_changes_the_launch_not_the_result():
     """An expert-parallel slice (32 local experts of 256, M_cap sized for every routed row, as align
     sizes it): M_cap's estimate reads 8x the real rows, and under 64 experts the rule takes the
-    128-wide tile and two kernels; with fused_moe's ``expected_m`` (T * k // 256) the wide tile,
+    128-wide tile (the pair-split kernel); with fused_moe's ``expected_m`` (T * k // 256) the wide tile,
     paired along M at K = 4096, and the fused kernel.  Both ops' real rows are the same bits either
     way (the GEMM's K order is the same in every variant)."""
     E, rows, inter, K, T = 32, 256, 256, 4096, 8192
@@ -88,7 +155,8 @@ def test_expected_m_changes_the_launch_not_the_result():
     expected_m = T * 8 // 256
     assert gs.sm90_launch_config(m_cap, E, K, True) == (False, False, gs.TILE_N)
     assert gs.sm90_launch_config(m_cap, E, K, True, expected_m=expected_m) == (True, False, gs.WIDE_TILE_N)
-    assert gs.sm90_swiglu_fuses(m_cap, E, K, True, expected_m) and not gs.sm90_swiglu_fuses(m_cap, E, K, True)
+    assert gs.sm90_swiglu_tile(m_cap, E, K, True, expected_m) == gs.WIDE_TILE_N
+    assert gs.sm90_swiglu_tile(m_cap, E, K, True) == gs.TILE_N
     g = torch.Generator(device="cuda").manual_seed(11)
     w13, w13_scale = expert_weights(E, 2 * inter, K, g)
     a, a_scale = activations(routing, K, g)

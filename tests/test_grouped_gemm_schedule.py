@@ -259,14 +259,26 @@ def test_launch_errors_name_the_calling_op():
         gs.prepare_a_scale(torch.empty(128, 2), "grouped_gemm_fp8_swiglu")
 
 
-def test_swiglu_fuses_where_the_gemm_is_256_wide():
-    """DeepSeek-V3's w13 at prefill fuses; decode sizes and expert-parallel slices under 64 experts
-    (their M_cap counts every routed row) take the two kernels."""
+def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles_without_store_behind():
+    """DeepSeek-V3's w13 at prefill takes the 256-wide kernel; at decode sizes, and on expert-parallel
+    slices under 64 experts (their M_cap counts every routed row), the 128-wide one, where the GEMM
+    pairs N tiles without the store-behind epilogue; where the GEMM pairs M tiles or stores behind,
+    two kernels."""
     dsv3_t8192, dsv3_t1, ep8_t8192 = 8192 * 8 + 256 * 127, 1 * 8 + 8 * 127, 8192 * 8 + 32 * 127  # align's M_cap
-    assert gs.sm90_swiglu_fuses(dsv3_t8192, 256, 7168, True)
-    assert not gs.sm90_swiglu_fuses(dsv3_t1, 256, 7168, True)
-    assert not gs.sm90_swiglu_fuses(ep8_t8192, 32, 7168, True)
-    assert gs.sm90_swiglu_fuses(4 * 8192, 4, 7168, False)  # contiguous segments, any number of experts
+    assert gs.sm90_swiglu_tile(dsv3_t8192, 256, 7168, True) == gs.WIDE_TILE_N
+    assert gs.sm90_swiglu_tile(dsv3_t1, 256, 7168, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(ep8_t8192, 32, 7168, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(4 * 8192, 4, 7168, False) == gs.WIDE_TILE_N  # contiguous segments, any expert count
+    # The store-behind epilogue (K <= 2048 from half a real tile per expert with counts, any size on
+    # contiguous segments under the wide tile's 1.5): two kernels.  Qwen3-30B-A3B's w13 at T = 512
+    # (a quarter tile per expert) and T = 1024 (half a tile).
+    def m_cap(t, e):  # align's static M_cap
+        return -(-(t * 8 + min(t * 8, e) * 127) // 128) * 128
+
+    assert gs.sm90_launch_config(32 * 128, 32, 2048, False) == (False, True, gs.TILE_N)
+    assert gs.sm90_swiglu_tile(32 * 128, 32, 2048, False) is None
+    assert gs.sm90_swiglu_tile(m_cap(512, 128), 128, 2048, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(m_cap(1024, 128), 128, 2048, True) is None
 
 
 def test_expected_m_replaces_the_estimate():
@@ -281,7 +293,7 @@ def test_expected_m_replaces_the_estimate():
     assert gs.sm90_launch_config(ep8, 32, 7168, True) == (False, False, 128)
     assert gs.sm90_launch_config(ep8, 32, 7168, True, expected_m=256) == (True, False, 256)
     assert gs.sm90_launch_config(ep8, 32, 2048, True, expected_m=256) == (False, True, 256)
-    assert gs.sm90_swiglu_fuses(ep8, 32, 7168, True, 256) and not gs.sm90_swiglu_fuses(ep8, 32, 7168, True)
+    assert gs.sm90_swiglu_tile(ep8, 32, 7168, True, 256) == 256 and gs.sm90_swiglu_tile(ep8, 32, 7168, True) == 128
     # EP4 (64 experts) at T = 1024: a quarter tile; the estimate reads one and takes the wide tile.
     ep4 = m_cap(1024, 64)
     assert gs.wide_tile(ep4, 64, 7168, True) and not gs.wide_tile(ep4, 64, 7168, True, 32)
@@ -311,4 +323,5 @@ def test_sm90_launchers_pass_expected_m_to_the_rule(monkeypatch):
     g90.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, off, counts)
     g90.grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, off, counts, expected_m=256)
     g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, off, counts, True, None, 256)
-    assert keys == [(False, False, 128), (True, False, 256), (True, False, 256)]
+    g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, off, counts, True, None)
+    assert keys == [(False, False, 128), (True, False, 256), (True, False, 256), (False, False, 128)]

@@ -562,20 +562,20 @@ def test_import_is_light() -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
-@pytest.mark.parametrize("arch,fuses,path", [("sm_90a", True, "fused"), ("sm_90a", False, "two"),
-                                             ("sm_100a", True, "two")])
-def test_swiglu_cuda_entry_runs_one_path(monkeypatch, arch, fuses, path) -> None:
-    """The fused sm90 kernel where ``sm90_swiglu_fuses``, else the GEMM (its errors naming
-    grouped_gemm_fp8_swiglu) then silu_mul_quant; ``expected_m`` reaches the rule and the launcher
-    that runs; the launchers stubbed, so this runs on the CPU."""
+@pytest.mark.parametrize("arch,tile,path", [("sm_90a", 256, "fused"), ("sm_90a", 128, "fused"), ("sm_90a", None, "two"),
+                                            ("sm_100a", 256, "two")])  # fmt: skip
+def test_swiglu_cuda_entry_runs_one_path(monkeypatch, arch, tile, path) -> None:
+    """The fused sm90 kernel of the width ``sm90_swiglu_tile`` gives, else (None) the GEMM (its errors
+    naming grouped_gemm_fp8_swiglu) then silu_mul_quant; ``expected_m`` reaches the rule and the
+    launcher that runs; the launchers stubbed, so this runs on the CPU."""
     pytest.importorskip("cutlass")
     from cute_moe.kernels import grouped_gemm, grouped_gemm_sm90, grouped_gemm_swiglu, silu_mul_quant  # noqa: PLC0415
 
     calls = []
     monkeypatch.setattr(grouped_gemm_swiglu, "arch_of_device_index", lambda _: arch)
-    monkeypatch.setattr(grouped_gemm_swiglu, "sm90_swiglu_fuses", lambda *a: calls.append(("rule", a[-1])) or fuses)
+    monkeypatch.setattr(grouped_gemm_swiglu, "sm90_swiglu_tile", lambda *a: calls.append(("rule", a[-1])) or tile)
     monkeypatch.setattr(grouped_gemm_sm90, "grouped_gemm_fp8_swiglu_cuda",
-                        lambda *a: calls.append(("fused", a[-1])) or "q")  # fmt: skip
+                        lambda *a: calls.append(("fused", a[-2], a[-1])) or "q")  # fmt: skip
     monkeypatch.setattr(grouped_gemm, "grouped_gemm_fp8_cuda", lambda *a, op: calls.append(("gemm", op, a[-1])) or "h")
     monkeypatch.setattr(silu_mul_quant, "silu_mul_quant_cuda", lambda h, *a: calls.append(("silu", h)) or "q2")
     a = torch.empty(128, 256, dtype=torch.float8_e4m3fn)
@@ -583,7 +583,7 @@ def test_swiglu_cuda_entry_runs_one_path(monkeypatch, arch, fuses, path) -> None
                                                            expected_m=77)  # fmt: skip
     rule = [("rule", 77)] if arch == "sm_90a" else []
     if path == "fused":
-        assert calls == rule + [("fused", 77)] and out == "q"
+        assert calls == rule + [("fused", 77, tile)] and out == "q"
     else:
         assert calls == rule + [("gemm", "grouped_gemm_fp8_swiglu", 77), ("silu", "h")] and out == "q2"
 

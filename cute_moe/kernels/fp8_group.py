@@ -44,12 +44,27 @@ def quantize_group_fp8(rX: cute.Tensor, rQ: cute.Tensor, lanes: cutlass.Constexp
                        correctly_rounded: cutlass.Constexpr = True) -> Float32:  # fmt: skip
     """rX (registers, any float type) -> rQ (registers, e4m3); returns the group's scale.
     ``correctly_rounded=False``: ``x * (1/scale)`` for ``x / scale`` (see the module docstring)."""
-    n = cute.size(rX)
     x = to_f32(rX)
+    return quantize_with_amax(x, group_amax(x, lanes), rQ, ue8m0, correctly_rounded)
+
+
+@cute.jit
+def group_amax(x, lanes: cutlass.Constexpr) -> Float32:
+    """``max(max |x|, AMAX_FLOOR)`` over the group's values, ``x`` (an f32 vector) this lane's part
+    of them.  A group split further (over two CTAs: the max of each part's result) has the same
+    amax: the floor commutes with the max."""
     amax = Float32(0.0)
-    for i in cutlass.range_constexpr(n):
+    for i in cutlass.range_constexpr(cute.size(x.shape)):
         amax = cute.arch.fmax(amax, abs(x[i]))
-    amax = cute.arch.fmax(cute.arch.warp_reduction_max(amax, threads_in_group=lanes), Float32(AMAX_FLOOR))
+    return cute.arch.fmax(cute.arch.warp_reduction_max(amax, threads_in_group=lanes), Float32(AMAX_FLOOR))
+
+
+@cute.jit
+def quantize_with_amax(x, amax: Float32, rQ: cute.Tensor, ue8m0: cutlass.Constexpr,
+                       correctly_rounded: cutlass.Constexpr = True) -> Float32:  # fmt: skip
+    """``x`` (this lane's f32 values of a group whose amax is ``amax``) -> rQ (e4m3); returns the
+    group's scale."""
+    n = cute.size(x.shape)
     scale = _div_by_fp8_max(amax)
 
     rY = cute.make_rmem_tensor((n,), Float32)

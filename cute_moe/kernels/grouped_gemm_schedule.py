@@ -221,12 +221,22 @@ def sm90_launch_config(m_cap: int, num_experts: int, k: int, has_counts: bool, a
     return bool(along_m), bool(store_behind), tile_n
 
 
-def sm90_swiglu_fuses(m_cap: int, num_experts: int, k: int, has_counts: bool, expected_m: int | None = None) -> bool:
-    """Whether ``grouped_gemm_fp8_swiglu`` runs as one sm90 kernel: where the GEMM takes the 256-wide
-    tile (``wide_tile``: about one real M tile per expert or more, and with expert counts at least
-    64 experts unless ``expected_m`` is given), whose two 128-wide halves hold a gate block and its
-    up block."""
-    return wide_tile(m_cap, num_experts, k, has_counts, expected_m)
+def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
+                     expected_m: int | None = None) -> int | None:  # fmt: skip
+    """The tile width of the one sm90 kernel that ``grouped_gemm_fp8_swiglu`` runs, or None where it
+    runs the GEMM and ``silu_mul_quant`` as two kernels; the GEMM's own launch choice
+    (``sm90_launch_config``) decides.  256 (``wide_tile``: about one real M tile per expert or more,
+    and with expert counts at least 64 experts unless ``expected_m`` is given): the tile's two
+    128-wide halves hold a gate block and its up block.  128 with pairs along N and no store-behind
+    epilogue (decode sizes; K > 2048 under one real M tile per expert): a tile holds 64 gate columns
+    and their 64 up columns, and the pair's two tiles one 1x128 output group, whose amax the two CTAs
+    exchange.  None for the 128-wide tile's other variants: pairs along M (the pair's CTAs hold
+    different rows) and the store-behind epilogue (the plain GEMM's choice at K <= 2048 from half a
+    real M tile per expert)."""
+    along_m, store_behind, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
+    if tile_n == WIDE_TILE_N:
+        return WIDE_TILE_N
+    return None if along_m or store_behind else TILE_N
 
 
 def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True,
@@ -370,13 +380,14 @@ def valid_tiles(mOff: cute.Tensor, num_experts: Int32, m_cap: Int32, n_groups: I
 @cute.jit
 def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, m_tile: Int32,
                       n_tile: Int32, k_tile: Int32, stage: Int32, lane: Int32, b_blocks: cutlass.Constexpr = 1,
-                      swiglu_gate: cutlass.Constexpr = None):  # fmt: skip
+                      swiglu_gate: cutlass.Constexpr = None, tiles_per_block: cutlass.Constexpr = 1):  # fmt: skip
     """cp.async of one K block's scales into a stage, by one warp: the tile's 128 A scales
     (``a_scale`` is MN-major: 16 contiguous bytes per lane) and its ``b_blocks`` B scales (an N tile
     of ``b_blocks`` x 128 columns), block ``j`` from lane ``4 j`` into ``sSB[j, stage]`` (none past
     the last N block: a multicast-only visit, or the second half of a 256-wide tile past N).
     ``gSB``: the expert's (N blocks, K blocks).  ``swiglu_gate`` (0 or 1: which half of B's rows
-    holds the gate projection): block ``j`` (0 gate, 1 up) is N block ``n_tile`` of that half."""
+    holds the gate projection): block ``j`` (0 gate, 1 up) is N block ``n_tile // tiles_per_block`` of
+    that half (``tiles_per_block`` = 2 where a tile holds 64 gate and 64 up rows of w13)."""
     per_lane = TILE_M // 32
     copy_a = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32 * per_lane)
     copy_b = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32, num_bits_per_copy=32)
@@ -386,7 +397,7 @@ def copy_block_scales(mSA: cute.Tensor, gSB: cute.Tensor, sSA: cute.Tensor, sSB:
         # Lanes 4j: lanes 1-3 copy the segment record (copy_segment).
         block = n_tile * b_blocks + j
         if cutlass.const_expr(swiglu_gate is not None):
-            block = n_tile + (j ^ swiglu_gate) * (gSB.shape[0] // 2)
+            block = n_tile // tiles_per_block + (j ^ swiglu_gate) * (gSB.shape[0] // 2)
         if lane == 4 * j:
             if block < gSB.shape[0]:
                 cute.copy(copy_b, cute.local_tile(gSB, (1, 1), (block, k_tile)),
@@ -428,13 +439,13 @@ def visit_expert(mOff: cute.Tensor, num_experts: Int32, lane: Int32, tile: Int32
 def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.Tensor, scale_pipe, stages: int,
                 mOff: cute.Tensor, num_experts: Int32, lane: Int32, sched, segment=None,
                 pairs: cutlass.Constexpr = False, b_blocks: cutlass.Constexpr = 1,
-                swiglu_gate: cutlass.Constexpr = None):  # fmt: skip
+                swiglu_gate: cutlass.Constexpr = None, tiles_per_block: cutlass.Constexpr = 1):  # fmt: skip
     """The scale warp of both kernels: per visit and K block, ``copy_block_scales`` into the next
     stage of ``scale_pipe`` (a PipelineCpAsync, or on sm90 ``ScalesIntoStages``: the producer side
     of a pipeline whose commit is each lane's ``cp.async`` arrive, which fires when its copies land).
     With ``segment = (mCnt, sSeg)``, also ``copy_segment`` into each visit's first stage.  ``pairs``:
     clusters along M (a tile past the last one reads its partner's scales), else along N.
-    ``b_blocks``: B scale blocks per N tile (``copy_block_scales``)."""
+    ``b_blocks``, ``swiglu_gate``, ``tiles_per_block``: see ``copy_block_scales``."""
     first_tile, tiles, tile_stride, k_tiles = sched[0], sched[1], sched[2], sched[4]
     state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, stages)
     expert, _ = visit_expert(mOff, num_experts, lane, first_tile, sched, pairs)
@@ -446,7 +457,8 @@ def load_scales(mSA: cute.Tensor, mSB: cute.Tensor, sSA: cute.Tensor, sSB: cute.
         next_expert = expert
         for k_tile in cutlass.range(k_tiles, unroll=1):
             scale_pipe.producer_acquire(state)
-            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane, b_blocks, swiglu_gate)
+            copy_block_scales(mSA, gSB, sSA, sSB, m_tile, n_tile, k_tile, state.index, lane, b_blocks, swiglu_gate,
+                              tiles_per_block)  # fmt: skip
             if cutlass.const_expr(segment is not None):
                 if k_tile == 0:
                     copy_segment(mOff, segment[0], segment[1], expert, state.index, lane)

@@ -23,10 +23,19 @@ from the shapes by ``sm90_launch_config`` (``cluster_along_m``):
   weights are read once per pair of M tiles; with so few M tiles per expert the weights' DRAM
   re-reads otherwise bound the kernel.  A pair across two experts loads B per CTA.
 
-With ``swiglu`` (``grouped_gemm_fp8_swiglu``, where ``sm90_swiglu_fuses``) the kernel is the w13 GEMM
-with ``silu_mul_quant`` in its epilogue: the 256-wide tile's halves are gate block j and up block j
-of w13, and the epilogue writes ``y = silu(gate) * up`` as FP8 codes with 1x128 scales, bit for bit
-what the two kernels write (``swiglu_epilogue``).
+With ``swiglu`` (``grouped_gemm_fp8_swiglu``, where ``sm90_swiglu_tile`` gives a width) the kernel is
+the w13 GEMM with ``silu_mul_quant`` in its epilogue, which writes ``y = silu(gate) * up`` as FP8
+codes with 1x128 scales, bit for bit what the two kernels write:
+* 256 wide (prefill): the tile's halves are gate block j and up block j of w13, one 1x128 group per
+  row (``swiglu_epilogue``: through shared memory, one TMA store per tile);
+* 128 wide (decode sizes; pairs along N only, no store-behind): the tile holds w13's gate rows
+  [64 t, 64 t + 64) and the matching up rows, B loaded as two 64-row boxes with one B scale each
+  (the promotion takes a column's scale by its half), so a thread holds both factors of each of
+  its output columns; a row's 1x128 group spans the pair's N tiles 2j and 2j + 1, and the two CTAs
+  exchange each row's amax over their 64 columns by ``st.async`` into each other's shared memory
+  (``pair_swiglu_epilogue``) before both quantize with the group's.  The codes leave from registers.
+  This keeps the 128-wide GEMM's decode schedule, where the 256-wide tile lost 1-4% (session 26),
+  and drops the bf16 h round trip and the second launch.
 
 The tile's width is the other compile-time choice (``wide_tile``): 128 x 128, or 128 x 256 at
 prefill sizes.  The wide tile costs a quarter fewer operand bytes per FLOP through L2 and TMA; it
@@ -92,14 +101,14 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from ..compiler import cached_compile, compile_kernel, fake_tensor
-from .fp8_group import quantize_group_fp8
+from .fp8_group import group_amax, quantize_group_fp8, quantize_with_amax
 from .host_checks import empty_mn_major
 from .silu_mul_quant import silu_mul
 from .grouped_gemm_schedule import (
     CLUSTER_M, CLUSTER_N, PAIRS_PER_BAND, ROW_ALIGNMENT, SPARSE_ROWS, TILE_K, TILE_M, TILE_N, WIDE_TILE_N,
     can_implement, check_sm90_variant, cluster_along_m, expert_and_rows, fake_operands, fp8_operands, launch,
-    launch_grid, load_scales, pair_launch_grid, pair_schedule, sm90_launch_config, valid_tiles, visit_coords,
-    visit_expert,
+    launch_grid, load_scales, pair_launch_grid, pair_schedule, sm90_launch_config, sm90_swiglu_tile, valid_tiles,
+    visit_coords, visit_expert,
 )  # fmt: skip
 
 # (K-block stages, 128 x 32 bf16 output buffers): 6 x (16 KB A + 16 KB B + 528 B scales and segment) +
@@ -152,13 +161,15 @@ class GroupedGemmFp8Sm90:
                  store_behind: bool = False, tile_n: int = TILE_N, swiglu: bool = False, gate_first: bool = True,
                  ue8m0: bool = False):  # fmt: skip
         # swiglu: the w13 GEMM with silu_mul_quant in its epilogue (``grouped_gemm_fp8_swiglu_cuda``):
-        # the 256-wide tile's half 0 holds gate block j (B rows [128 j, 128 j + 128), or [I + 128 j, ...)
-        # when not gate_first) and half 1 the matching up block, so that the epilogue has silu(gate) *
-        # up for 128 columns, one 1x128 quantization group per row, and writes FP8 codes and scales.
+        # the tile's first half holds w13's gate rows [h j, h j + h) (h = tile_n / 2; I + h j when not
+        # gate_first) and its second half the matching up rows, so that the epilogue has silu(gate) *
+        # up for h columns.  256 wide: one 1x128 quantization group per row.  128 wide
+        # (``split_group``): half a group, the pair's other tile (pairs along N) the other half.
         self.swiglu, self.gate_first, self.ue8m0 = swiglu, gate_first, ue8m0
-        if swiglu and (tile_n != WIDE_TILE_N or store_behind or not block_scaled):
-            raise ValueError("grouped_gemm_fp8 swiglu: the 256-wide tile only, block-scaled, without the store-behind "
-                             "epilogue")  # fmt: skip
+        if swiglu and (store_behind or not block_scaled or (tile_n == TILE_N and along_m)):
+            raise ValueError("grouped_gemm_fp8 swiglu: block-scaled, without the store-behind epilogue, and the "
+                             "128-wide tile with pairs along N only")  # fmt: skip
+        self.split_group = swiglu and tile_n == TILE_N
         # block_scaled=False drops the scales (one accumulator, no promotion; same tiles and
         # pipeline): a benchmark-only variant that measures what the promotion costs.
         self.block_scaled = block_scaled
@@ -176,6 +187,8 @@ class GroupedGemmFp8Sm90:
         check_sm90_variant(tile_n)
         self.tile_n = tile_n
         self.n_halves = tile_n // WGMMA_N
+        # B scales per K block: one per 128-wide half, or with swiglu the gate block's and the up block's.
+        self.b_blocks = 2 if swiglu else self.n_halves
         if store_behind:
             self.stages = STORE_BEHIND_STAGES if tile_n == TILE_N else WIDE_STORE_BEHIND_STAGES
         else:
@@ -189,11 +202,16 @@ class GroupedGemmFp8Sm90:
         self.a_boxes = A_BOX_ROWS if has_counts and not along_m and not store_behind else (TILE_M,)
         self.epi_buffers = tile_n // EPI_N if store_behind else EPI_BUFFERS
         # SharedStorage's size (asserted where it is declared): each field at its alignment, the whole
-        # rounded up to the largest (1024 B, the swizzled tiles').
+        # rounded up to the largest (1024 B, the swizzled tiles').  split_group has no output buffers:
+        # two exchange barriers and two slots of 128 row amaxes instead (``pair_swiglu_epilogue``).
+        fields = [(8 * 2 * self.stages, 8), (4 * TILE_M * self.stages, 16), (4 * self.b_blocks * self.stages, 16),
+                  (4 * 3 * self.stages, 16), (TILE_M * TILE_K * self.stages, 1024), (tile_n * TILE_K * self.stages, 1024)]
+        if self.split_group:
+            fields += [(8 * 2, 8), (4 * TILE_M * 2, 16)]
+        else:
+            fields.append((self.epi_buffers * TILE_M * EPI_N * 2, 1024))
         offset = 0
-        for size, align in ((8 * 2 * self.stages, 8), (4 * TILE_M * self.stages, 16), (4 * self.n_halves * self.stages, 16),
-                            (4 * 3 * self.stages, 16), (TILE_M * TILE_K * self.stages, 1024),
-                            (tile_n * TILE_K * self.stages, 1024), (self.epi_buffers * TILE_M * EPI_N * 2, 1024)):  # fmt: skip
+        for size, align in fields:
             offset = -(-offset // align) * align + size
         self.dynamic_smem_bytes = -(-offset // 1024) * 1024
 
@@ -226,8 +244,8 @@ class GroupedGemmFp8Sm90:
         tiled_mma = self.make_tiled_mma()
         sA_layout = self._smem_layout(TILE_M)
         sB_layout = self._smem_layout(self.tile_n)
-        # swiglu: B by 128-row boxes (a gate block and an up block per stage), else by whole tiles.
-        b_rows = WGMMA_N if self.swiglu else self.tile_n
+        # swiglu: B by half-tile boxes (gate rows and up rows per stage), else by whole tiles.
+        b_rows = self.tile_n // 2 if self.swiglu else self.tile_n
         sB_tile = cute.slice_(self._smem_layout(b_rows), (None, None, 0))
         tma_b, tma_mB = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mB, sB_tile, (b_rows, TILE_K))
         # A's TMA atoms, one per box height (A_BOX_ROWS with counts): pairs along N multicast (each CTA
@@ -255,7 +273,11 @@ class GroupedGemmFp8Sm90:
         sC_layout = cute.tile_to_shape(c_atom, (TILE_M, EPI_N, self.epi_buffers), order=(0, 1, 2))
         # The TMA store clips what lies past N (e.g. N = 2112) or M_cap (the past-end tile of an odd pair
         # along M), and writes nothing for a multicast-only visit past the last N tile (pairs along N).
-        if cutlass.const_expr(self.swiglu):
+        if cutlass.const_expr(self.split_group):
+            # Codes stored from registers (pair_swiglu_epilogue): no TMA store.
+            mC = cute.make_tensor(cute.recast_ptr(mC.iterator, dtype=fp8), mC.layout)
+            tma_c, tma_mC = None, mC
+        elif cutlass.const_expr(self.swiglu):
             # The codes of one 128 x 128 tile, row-major in the epilogue's buffers (16 KB), one TMA store.
             mC = cute.make_tensor(cute.recast_ptr(mC.iterator, dtype=fp8), mC.layout)
             tma_c, tma_mC = cpasync.make_tiled_tma_atom(
@@ -266,19 +288,7 @@ class GroupedGemmFp8Sm90:
                 cpasync.CopyBulkTensorTileS2GOp(), mC, cute.slice_(sC_layout, (None, None, 0)), (TILE_M, EPI_N)
             )
 
-        @cute.struct
-        class SharedStorage:
-            ab_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
-            sSA: cute.struct.Align[cute.struct.MemRange[Float32, self.stages * TILE_M], 16]
-            sSB: cute.struct.Align[cute.struct.MemRange[Float32, self.n_halves * self.stages], 16]
-            sSeg: cute.struct.Align[cute.struct.MemRange[Int32, 3 * self.stages], 16]
-            sA: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sA_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[fp8, cute.cosize(sB_layout)], 1024]
-            sC: cute.struct.Align[cute.struct.MemRange[cutlass.BFloat16, cute.cosize(sC_layout)], 1024]
-
-        assert SharedStorage.size_in_bytes() == self.dynamic_smem_bytes, (
-            SharedStorage.size_in_bytes(), self.dynamic_smem_bytes)  # fmt: skip
-        self.shared_storage = SharedStorage
+        self.shared_storage = self.make_shared_storage(sA_layout, sB_layout, sC_layout)
         self.kernel(tiled_mma, tma_a, tma_mA, tma_b, tma_mB, tma_c, tma_mC, sA_layout, sB_layout, sC_layout, mSA, mSB,
                     mOff, mCnt, mC, mQS).launch(  # fmt: skip
             grid=[grid_ctas, 1, 1],
@@ -287,6 +297,29 @@ class GroupedGemmFp8Sm90:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def make_shared_storage(self, sA_layout, sB_layout, sC_layout):
+        """The kernel's shared memory: per stage its barriers, scales, segment record, A and B tiles;
+        then the output buffers, or with ``split_group`` the amax exchange's two barriers and slots."""
+        fp8 = cutlass.Float8E4M3FN
+        align, mem = cute.struct.Align, cute.struct.MemRange
+        fields = {
+            "ab_barriers": mem[cutlass.Int64, self.stages * 2],
+            "sSA": align[mem[Float32, self.stages * TILE_M], 16],
+            "sSB": align[mem[Float32, self.b_blocks * self.stages], 16],
+            "sSeg": align[mem[Int32, 3 * self.stages], 16],
+            "sA": align[mem[fp8, cute.cosize(sA_layout)], 1024],
+            "sB": align[mem[fp8, cute.cosize(sB_layout)], 1024],
+        }
+        if self.split_group:
+            fields["x_barriers"] = mem[cutlass.Int64, 2]
+            fields["sX"] = align[mem[Float32, 2 * TILE_M], 16]
+        else:
+            fields["sC"] = align[mem[cutlass.BFloat16, cute.cosize(sC_layout)], 1024]
+        SharedStorage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+        assert SharedStorage.size_in_bytes() == self.dynamic_smem_bytes, (
+            SharedStorage.size_in_bytes(), self.dynamic_smem_bytes)  # fmt: skip
+        return SharedStorage
 
     def q_layout(self):
         """swiglu: a tile's FP8 codes in shared memory, 128 B per row, 128-byte swizzled (the 16-byte
@@ -330,7 +363,8 @@ class GroupedGemmFp8Sm90:
                 cpasync.prefetch_descriptor(tma_b[1])
             else:
                 cpasync.prefetch_descriptor(tma_b)
-            cpasync.prefetch_descriptor(tma_c)
+            if cutlass.const_expr(not self.split_group):
+                cpasync.prefetch_descriptor(tma_c)
 
         storage = cutlass.memory.SmemAllocator().allocate(self.shared_storage)
         # A stage's full-barrier byte count with a whole A tile (with A boxes, load_ab sets each stage's).
@@ -349,15 +383,25 @@ class GroupedGemmFp8Sm90:
             cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
             defer_sync=True,
         )
-        # Both CTAs' barriers are initialised before either multicasts into the other.
+        if cutlass.const_expr(self.split_group):
+            # The amax exchange's barriers (pair_swiglu_epilogue), one per visit parity: each phase
+            # completes with the one local arrival that expects the partner's 128 stores.
+            if tidx == 0:
+                for slot in cutlass.range_constexpr(2):
+                    cute.arch.mbarrier_init(storage.x_barriers.data_ptr() + slot, 1)
+                cute.arch.mbarrier_init_fence()
+        # Both CTAs' barriers are initialised before either multicasts (or stores) into the other.
         pipeline.pipeline_init_arrive(cluster_shape_mn=cluster_mn, is_relaxed=True)
         sA = storage.sA.get_tensor(sA_layout.outer, swizzle=sA_layout.inner)
         sB = storage.sB.get_tensor(sB_layout.outer, swizzle=sB_layout.inner)
         sSA = storage.sSA.get_tensor(cute.make_layout((TILE_M, self.stages)))
-        sSB = storage.sSB.get_tensor(cute.make_layout((self.n_halves, self.stages)))
+        sSB = storage.sSB.get_tensor(cute.make_layout((self.b_blocks, self.stages)))
         sSeg = storage.sSeg.get_tensor(cute.make_layout((3, self.stages)))
-        sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
-        if cutlass.const_expr(self.swiglu):
+        if cutlass.const_expr(self.split_group):
+            sC = (storage.sX.get_tensor(cute.make_layout((TILE_M, 2))), storage.x_barriers.data_ptr())
+        else:
+            sC = storage.sC.get_tensor(sC_layout.outer, swizzle=sC_layout.inner)
+        if cutlass.const_expr(self.swiglu and not self.split_group):
             q_layout = self.q_layout()
             sC = (cute.make_tensor(cute.recast_ptr(storage.sC.data_ptr(), q_layout.inner, dtype=cutlass.Float8E4M3FN),
                                    q_layout.outer),  # the TMA store's source
@@ -376,8 +420,9 @@ class GroupedGemmFp8Sm90:
                              sched)  # fmt: skip
             if warp_idx == _SCALE_WARP:
                 load_scales(mSA, mSB, sSA, sSB, ScalesIntoStages(ab_pipe), self.stages, mOff, num_experts, lane,
-                            sched, segment=(mCnt, sSeg), pairs=self.along_m, b_blocks=self.n_halves,
-                            swiglu_gate=(0 if self.gate_first else 1) if self.swiglu else None)  # fmt: skip
+                            sched, segment=(mCnt, sSeg), pairs=self.along_m, b_blocks=self.b_blocks,
+                            swiglu_gate=(0 if self.gate_first else 1) if self.swiglu else None,
+                            tiles_per_block=2 if self.split_group else 1)  # fmt: skip
         else:
             cute.arch.setmaxregister_increase(_CONSUMER_REGS)
             self.math(tiled_mma, sA, sB, sSA, sSB, sSeg, sC, ab_pipe, tma_c, (mC, mC_direct, mQS), tidx - 128, sched)
@@ -392,9 +437,9 @@ class GroupedGemmFp8Sm90:
         rows that are never stored, and sets each stage's expected bytes to match."""
         mOff, mCnt = segments
         first_tile, tiles, tile_stride, k_tiles, rank = sched[0], sched[1], sched[2], sched[4], sched[5]
-        # B's destinations: the whole stage, or with swiglu its two 128-row halves (gate, up).
-        b_rows = WGMMA_N if self.swiglu else self.tile_n
-        sB_parts = [sB] if not self.swiglu else [cute.local_tile(sB, (WGMMA_N, TILE_K, self.stages), (h, 0, 0))
+        # B's destinations: the whole stage, or with swiglu its two halves (gate rows, up rows).
+        b_rows = self.tile_n // 2 if self.swiglu else self.tile_n
+        sB_parts = [sB] if not self.swiglu else [cute.local_tile(sB, (b_rows, TILE_K, self.stages), (h, 0, 0))
                                                  for h in range(2)]  # fmt: skip
         if cutlass.const_expr(self.along_m):
             (tma_b, tma_b_pair), (mB, mB_pair) = tma_b, mB
@@ -420,9 +465,9 @@ class GroupedGemmFp8Sm90:
             part_s, tBgB = cpasync.tma_partition(tma_b, 0, cute.make_layout(1), cute.group_modes(part, 0, 2),
                                                  cute.group_modes(gB, 0, 2))  # fmt: skip
             tBsB.append(part_s)
-        # swiglu: the B row block of half h (gate, up) of N tile j: j, or j + I / 128, swapped when
+        # swiglu: the B row block of half h (gate, up) of N tile j: j, or j + I / b_rows, swapped when
         # not gate_first.
-        half_blocks = mB.shape[0] // (2 * WGMMA_N)
+        half_blocks = mB.shape[0] // (2 * b_rows)
         b_offsets = [0] if not self.swiglu else [((h ^ (0 if self.gate_first else 1)) * half_blocks) for h in range(2)]
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         expert, shared, rows = self.visit_expert_rows(mOff, mCnt, num_experts, lane, first_tile, sched)
@@ -523,12 +568,18 @@ class GroupedGemmFp8Sm90:
         c127 = tiled_mma.get_slice(127).partition_C(cute.make_identity_tensor((TILE_M, WGMMA_N)))
         assert max(c127[i][0] for i in range(cute.size(c127))) >= SPARSE_ROWS - 1
         which_row = [row_offsets.index(c0[i][0] - c0[0][0]) for i in range(cute.size(c0))]
+        col_of = [c0[i][1] for i in range(cute.size(c0))]  # thread 0's; a thread adds its first column (< 8)
         rows = (tCcC[0][0], row_offsets, which_row)
         # The scales of tmp0's / tmp1's K block, one per row of the thread (the wide tile: the block's
-        # A scales, and their products with a half's B scale).
-        scl0 = cute.make_rmem_tensor((len(row_offsets),), Float32)
-        scl1 = cute.make_rmem_tensor((len(row_offsets),), Float32)
+        # A scales, and their products with a half's B scale); with split_group per row and column
+        # half (gate columns take the gate block's B scale, up columns the up block's): which_scale.
+        col_blocks = 2 if self.split_group else 1
+        which_scale = [which_row[i] + len(row_offsets) * int(col_of[i] >= TILE_N // 2) * (col_blocks - 1)
+                       for i in range(cute.size(c0))]  # fmt: skip
+        scl0 = cute.make_rmem_tensor((len(row_offsets) * col_blocks,), Float32)
+        scl1 = cute.make_rmem_tensor((len(row_offsets) * col_blocks,), Float32)
         epi = None if self.swiglu else self.make_epilogue(tiled_mma, sC, acc, math_tidx)
+        gate_up = self.gate_up_elements(which_row, col_of) if self.split_group else None
         for tile in cutlass.range(first_tile, tiles, tile_stride, unroll=1):
             m_tile, n_tile = visit_coords(tile, sched, self.along_m)
             # The visit's segment record (start, end, count) came with its first stage's scales.
@@ -562,7 +613,7 @@ class GroupedGemmFp8Sm90:
             elif busy:
                 if cutlass.const_expr(self.n_halves == 1):
                     r_idx, r_ph, d_idx, d_ph = self.scaled_k_loop(
-                        acc[0], (tmp0, scl0, which_row), (tmp1, scl1, which_row), tCrA, tCrB[0], rows, sSA, sSB,
+                        acc[0], (tmp0, scl0, which_scale), (tmp1, scl1, which_scale), tCrA, tCrB[0], rows, sSA, sSB,
                         ab_pipe, k_tiles, r_idx, r_ph, d_idx, d_ph,
                     )  # fmt: skip
                 else:
@@ -574,7 +625,16 @@ class GroupedGemmFp8Sm90:
             else:
                 r_idx, r_ph = self.idle_k_loop(ab_pipe, k_tiles, r_idx, r_ph)
                 d_idx, d_ph = r_idx, r_ph
-            if cutlass.const_expr(self.swiglu):
+            if cutlass.const_expr(self.split_group):
+                # With counts the real rows only, as sparse_epilogue: a misaligned segment's tile is
+                # written whole (as NaN), as are rows of a count past the segment's end.
+                live_rows = Int32(TILE_M)
+                if cutlass.const_expr(self.has_counts):
+                    if acc_init == Float32(0.0) and m_tile * TILE_M + rows_left <= seg_end:
+                        live_rows = rows_left
+                self.pair_swiglu_epilogue(acc[0], tCcC, gate_up, sC, mC_direct, mQS, m_tile, n_tile, live_rows,
+                                          (tile - first_tile) // tile_stride, math_tidx)  # fmt: skip
+            elif cutlass.const_expr(self.swiglu):
                 self.swiglu_epilogue(acc, tCcC, (which_row, [c0[i][1] for i in range(cute.size(c0))]), sC, tma_c, mC,
                                      mQS, m_tile, n_tile, math_tidx)  # fmt: skip
             elif cutlass.const_expr(self.has_counts):
@@ -705,9 +765,11 @@ class GroupedGemmFp8Sm90:
         tmp, scl, _ = buf
         (row0, row_offsets, _), sSA, sSB = scales
         self.issue(tmp, tCrA, tCrB, ab_pipe, idx, ph)
-        b_scale = sSB[0, idx]
-        for j in cutlass.range_constexpr(len(row_offsets)):
-            scl[j] = sSA[row0 + row_offsets[j], idx] * b_scale
+        rows = len(row_offsets)
+        for s in cutlass.range_constexpr(cute.size(scl) // rows):  # split_group: the gate block's, the up block's
+            b_scale = sSB[s, idx]
+            for j in cutlass.range_constexpr(rows):
+                scl[s * rows + j] = sSA[row0 + row_offsets[j], idx] * b_scale
 
     @cute.jit
     def promote(self, acc, buf, ab_pipe, idx, ph):
@@ -751,6 +813,74 @@ class GroupedGemmFp8Sm90:
                         rPair[1] = acc[h][i + 1]
                         rOut.store(rPair.load().to(cutlass.BFloat16))
                         cute.autovec_copy(rOut, cute.local_tile(mC[row, None], (2,), (col // 2,)))
+
+    def gate_up_elements(self, which_row, col_of):
+        """split_group: per row of the thread's accumulator fragment, (gate element, up element) pairs
+        in fragment order: a gate column c < 64 and its up column c + 64 are one thread's (a thread's
+        columns repeat every 8), and consecutive gate elements 2p, 2p + 1 are adjacent columns."""
+        half = TILE_N // 2
+        pairs = []
+        for j in range(max(which_row) + 1):
+            gates = [i for i in range(len(col_of)) if which_row[i] == j and col_of[i] < half]
+            ups = {col_of[i]: i for i in range(len(col_of)) if which_row[i] == j and col_of[i] >= half}
+            pairs.append([(i, ups[col_of[i] + half]) for i in gates])
+            assert all(col_of[pairs[-1][2 * p + 1][0]] == col_of[pairs[-1][2 * p][0]] + 1
+                       for p in range(len(gates) // 2))  # fmt: skip
+        return pairs
+
+    @cute.jit
+    def pair_swiglu_epilogue(self, acc, tCcC, gate_up, exchange, mQ, mQS, m_tile, n_tile, live_rows, visit,
+                             math_tidx):  # fmt: skip
+        """split_group: ``y = silu(gate) * up`` for this tile's 64 output columns, from the
+        accumulator rounded to bf16 (``gate_up``: which elements pair up), and the other 64 columns of
+        each row's 1x128 group are the pair's other CTA's (N tiles 2j, 2j + 1).  Each row's amax over
+        this CTA's half (``group_amax`` over a quad of lanes) goes to the partner by ``st.async`` into
+        its slot ``visit % 2`` (``exchange``: the 128 x 2 slots and their barriers), counted as bytes
+        on the partner's barrier of that slot, which its own one arrival (expecting 512 bytes) opens;
+        after the wait both CTAs quantize with the group's amax, so the codes and scale are
+        ``silu_mul_quant``'s, bit for bit.  A slot is written again two visits later, only after
+        the partner has waited for this CTA's stores of the visit between, which this warp issues
+        after its reads (``sync_warp``).  Codes of rows below ``live_rows`` (every row without counts)
+        are stored from registers, two per store; the scale by the pair's rank 0."""
+        sX, x_barriers = exchange
+        slot = visit % 2
+        barrier = x_barriers + slot
+        partner = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) ^ 1
+        if math_tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(barrier, TILE_M * 4)
+        per_row = len(gate_up[0])
+        rY = [cute.make_rmem_tensor((per_row,), Float32) for _ in gate_up]
+        amax = []
+        for j in cutlass.range_constexpr(len(gate_up)):
+            # h rounded to bf16 as the plain GEMM stores it, then silu_mul_quant's own silu_mul.
+            rG, rU = (cute.make_rmem_tensor((per_row,), Float32) for _ in range(2))
+            for t in cutlass.range_constexpr(per_row):
+                rG[t], rU[t] = acc[gate_up[j][t][0]], acc[gate_up[j][t][1]]
+            hG, hU = (cute.make_rmem_tensor((per_row,), cutlass.BFloat16) for _ in range(2))
+            hG.store(rG.load().to(cutlass.BFloat16))
+            hU.store(rU.load().to(cutlass.BFloat16))
+            silu_mul(hG, hU, rY[j])
+            amax.append(group_amax(rY[j].load(), 4))
+            if math_tidx % 4 == 0:
+                r = tCcC[gate_up[j][0][0]][0]
+                cute.arch.store_async_dsmem(sX.iterator + (slot * TILE_M + r), amax[j].bitcast(Int32), barrier,
+                                            partner)  # fmt: skip
+        cute.arch.mbarrier_wait(barrier, (visit // 2) % 2)
+        # The wait acquires at CTA scope; the partner's stores released at cluster scope.
+        cute.arch.fence_acq_rel_cluster()
+        for j in cutlass.range_constexpr(len(gate_up)):
+            r = tCcC[gate_up[j][0][0]][0]
+            rQ = cute.make_rmem_tensor((per_row,), cutlass.Float8E4M3FN)
+            scale = quantize_with_amax(rY[j].load(), cute.arch.fmax(amax[j], sX[r, slot]), rQ, self.ue8m0,
+                                       correctly_rounded=False)  # fmt: skip
+            row = m_tile * TILE_M + r
+            if r < live_rows and row < mQ.shape[0]:
+                for p in cutlass.range_constexpr(per_row // 2):
+                    col = n_tile * (TILE_N // 2) + tCcC[gate_up[j][2 * p][0]][1]
+                    cute.autovec_copy(cute.local_tile(rQ, (2,), (p,)), cute.local_tile(mQ[row, None], (2,), (col // 2,)))
+                if partner == 1 and math_tidx % 4 == 0:
+                    mQS[row, n_tile // 2] = scale
+        cute.arch.sync_warp()
 
     @cute.jit
     def swiglu_epilogue(self, acc, tCcC, frag, sQ, tma_q, mQ, mQS, m_tile, n_tile, math_tidx):
@@ -905,21 +1035,30 @@ def _launch(key: tuple, a, a_scale, b, b_scale, expert_offsets, expert_counts, s
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts=None, gate_first: bool = True,
-                                 scale_fmt: str | None = None, expected_m: int | None = None):  # fmt: skip
+                                 scale_fmt: str | None = None, expected_m: int | None = None,
+                                 tile_n: int | None = None):  # fmt: skip
     """The w13 GEMM and ``silu_mul_quant`` in one kernel: ``(q [M_cap, I] e4m3, scales [M_cap, I/128] f32,
     MN-major)`` from ``b`` = w13 [E, 2I, K].  Its caller (``grouped_gemm_swiglu``) launches it where
-    ``sm90_swiglu_fuses`` (the shapes its GPU tests cover) and runs the two kernels elsewhere.  Where
-    the plain GEMM would store behind (K <= 2048), this one
-    keeps its 4 stages: its one 16 KB TMA store per tile is waited for only by the next tile's
-    epilogue, which is what the store-behind epilogue buys for the bf16 tile.  Numerics: the two
-    kernels', bit for bit (h rounded to bf16, then ``silu_mul_quant``'s silu and quantizer).  Codes
-    and scales of every row of a visited tile are written, padding rows included (unspecified)."""
+    ``sm90_swiglu_tile`` gives a width (the shapes its GPU tests cover; ``tile_n`` forces one) and
+    runs the two kernels elsewhere.  256 wide, where the plain GEMM would store behind (K <= 2048),
+    this one keeps its 4 stages: its one 16 KB TMA store per tile is waited for only by the next
+    tile's epilogue, which is what the store-behind epilogue buys for the bf16 tile.  128 wide: the
+    plain GEMM's variant (pairs along N, 6 stages), the pair's CTAs exchanging each row's amax.
+    Numerics: the two kernels', bit for bit (h rounded to bf16, then ``silu_mul_quant``'s silu and
+    quantizer).  256 wide, codes and scales of every row of a visited tile are written, padding rows
+    included; 128 wide with counts, the real rows' only (padding rows: unspecified either way)."""
     has_counts = expert_counts is not None
     (m_cap, k), inter = a.shape, b.shape[1] // 2
-    along_m = cluster_along_m(m_cap, b.shape[0], k, True, has_counts, expected_m)
+    if tile_n is None:
+        tile_n = sm90_swiglu_tile(m_cap, b.shape[0], k, has_counts, expected_m)
+        if tile_n is None:
+            raise ValueError("cute_moe.grouped_gemm_fp8_swiglu: no one-kernel sm90 variant for this launch "
+                             "(sm90_swiglu_tile): the op runs grouped_gemm_fp8 and silu_mul_quant")  # fmt: skip
+    check_sm90_variant(tile_n)
+    along_m = tile_n == WIDE_TILE_N and cluster_along_m(m_cap, b.shape[0], k, True, has_counts, expected_m)
     q = torch.empty(m_cap, inter, dtype=torch.float8_e4m3fn, device=a.device)
     scales = empty_mn_major(m_cap, inter // WGMMA_N, a.device)
-    key = ("sm_90a", False, True, has_counts, along_m, False, WIDE_TILE_N, True, gate_first, scale_fmt == "ue8m0")
+    key = ("sm_90a", False, True, has_counts, along_m, False, tile_n, True, gate_first, scale_fmt == "ue8m0")
     _launch(key, a, a_scale, b, b_scale, expert_offsets, expert_counts, scales, out=q.view(torch.uint8),
             op="grouped_gemm_fp8_swiglu")
     return q, scales
@@ -947,16 +1086,18 @@ def inspect_variants(arch: str):
 
 
 def inspect_swiglu_variants(arch: str):
-    """(name, compiled function, dynamic smem bytes) of the SwiGLU variants fused_moe's w13 GEMM runs at
-    prefill: with expert counts, pairs along M (>= 1 real tile per expert) or along N."""
+    """(name, compiled function, dynamic smem bytes) of the SwiGLU variants fused_moe's w13 GEMM runs,
+    with expert counts: 256 wide at prefill, pairs along M (>= 1 real tile per expert) or along N;
+    128 wide at decode sizes (pairs along N)."""
     if arch != "sm_90a":
         return []
     out = []
-    for along_m in (True, False):
-        kernel = GroupedGemmFp8Sm90(True, True, along_m, False, WIDE_TILE_N, True)
-        name = (f"grouped_gemm_fp8_swiglu[sm90, persistent, 128x{WIDE_TILE_N}x128 (gate | up), {kernel.stages} stages, "
-                f"cluster {'2x1 (B shared)' if along_m else '1x2 (A shared)'}, expert_counts, FP8 1x128 out]")  # fmt: skip
-        out.append((name, compile_grouped_gemm_fp8(arch, True, True, True, along_m, False, WIDE_TILE_N, True),
+    for along_m, tile_n in ((True, WIDE_TILE_N), (False, WIDE_TILE_N), (False, TILE_N)):
+        kernel = GroupedGemmFp8Sm90(True, True, along_m, False, tile_n, True)
+        group = "half a 1x128 group per tile, amax exchanged in the pair" if tile_n == TILE_N else "1x128 groups"
+        name = (f"grouped_gemm_fp8_swiglu[sm90, persistent, 128x{tile_n}x128 (gate | up), {kernel.stages} stages, "
+                f"cluster {'2x1 (B shared)' if along_m else '1x2 (A shared)'}, expert_counts, FP8 out, {group}]")  # fmt: skip
+        out.append((name, compile_grouped_gemm_fp8(arch, True, True, True, along_m, False, tile_n, True),
                     kernel.dynamic_smem_bytes))  # fmt: skip
     return out
 

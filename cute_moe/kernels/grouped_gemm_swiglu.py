@@ -1,29 +1,33 @@
 """grouped_gemm_fp8_swiglu's CUDA entry point: the w13 GEMM with ``silu_mul_quant`` in its epilogue.
 
-``sm_90a``, where ``grouped_gemm_schedule.sm90_swiglu_fuses`` (the GEMM takes the 128x256 tile:
-about one real M tile per expert or more, from ``expected_m`` where given; without it, with expert
-counts, also at least 64 experts): one kernel, ``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda``
-(the tile's halves hold a gate block and its up block).  Everywhere else (decode sizes, fewer than
-64 experts with counts and no ``expected_m``, sm_100a)
-``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s.  The results are the same bits.
+``sm_90a``, where ``grouped_gemm_schedule.sm90_swiglu_tile`` gives a tile width: one kernel,
+``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda``.  256 wide where the GEMM takes that tile (about
+one real M tile per expert or more, from ``expected_m`` where given; without it, with expert counts,
+also at least 64 experts): the tile's halves hold a gate block and its up block.  128 wide where
+the GEMM's 128-wide tile pairs N tiles without the store-behind epilogue (decode sizes): a tile
+holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x128 group.  Everywhere else
+(the 128-wide tile's pairs along M or store-behind epilogue, sm_100a) ``grouped_gemm_fp8``'s kernel
+and then ``silu_mul_quant``'s.  The results are the same bits.
 """
 from __future__ import annotations
 
 import torch
 
 from ..compiler import arch_of_device_index
-from .grouped_gemm_schedule import sm90_swiglu_fuses
+from .grouped_gemm_schedule import sm90_swiglu_tile
 
 _OP = "grouped_gemm_fp8_swiglu"
 
 
 def grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts=None, gate_first=True,
                                  scale_fmt=None, expected_m=None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    if arch_of_device_index(a.get_device()) == "sm_90a" and sm90_swiglu_fuses(
-            a.shape[0], w13.shape[0], a.shape[1], expert_counts is not None, expected_m):  # fmt: skip
-        from .grouped_gemm_sm90 import grouped_gemm_fp8_swiglu_cuda as fused  # noqa: PLC0415
+    if arch_of_device_index(a.get_device()) == "sm_90a":
+        tile_n = sm90_swiglu_tile(a.shape[0], w13.shape[0], a.shape[1], expert_counts is not None, expected_m)
+        if tile_n is not None:
+            from .grouped_gemm_sm90 import grouped_gemm_fp8_swiglu_cuda as fused  # noqa: PLC0415
 
-        return fused(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt, expected_m)
+            return fused(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt, expected_m,
+                         tile_n)  # fmt: skip
     from .grouped_gemm import grouped_gemm_fp8_cuda  # noqa: PLC0415
     from .silu_mul_quant import silu_mul_quant_cuda  # noqa: PLC0415
 
