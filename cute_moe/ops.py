@@ -698,7 +698,7 @@ def _moe_from_topk(
         # kernel's: any id outside the local range (fused_moe_routed's are unbounded) is not local.
         offsets, row_to_token, token_to_row, counts = R.align_local(topk_ids, e_local, _MOE_ALIGNMENT, expert_offset)
     # Padding rows are unspecified: both GEMMs and the SwiGLU step are given the counts and skip them
-    # (the fused SwiGLU kernel writes whole tiles, padding rows included; nothing reads them).
+    # (the 256-wide SwiGLU kernel writes whole tiles, padding rows included; nothing reads them).
     a, a_scale = call("permute_quant", x, row_to_token, offsets, act_scale_fmt, token_to_row, False)
     a2, a2_scale = call("grouped_gemm_fp8_swiglu", a, a_scale, w13, w13_scale, offsets, counts, gate_first,
                         act_scale_fmt, expected_m)  # fmt: skip
