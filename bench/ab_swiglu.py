@@ -8,10 +8,12 @@
 ``--tile`` forces the one kernel's width (``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda``'s
 ``tile_n``) where the op's rule would run two kernels or the other width.
 
-Per shape, rounds alternate the two forms (clock drift under the power cap hits both alike); the
-table gives each form's minimum and median µs (``Timer.graph_us``: CUDA graph, L2 flushed, median of
-reps), the ratio of minima, the tile width the op's rule took, and whether the real rows' codes and
-scales are the same bits in both.
+Per shape, rounds alternate the forms (clock drift under the power cap hits them alike): the two
+kernels, the op (its rule's choice: ``sm90_swiglu_tile``'s width, or the two kernels), and with
+``--tile`` the one kernel of that width forced.  The table gives each form's minimum and median µs
+(``Timer.graph_us``: CUDA graph, L2 flushed, median of reps), each one's ratio of minima to the two
+kernels', the width the op's rule took, and whether the real rows' codes and scales are the same
+bits in every form.
 """
 from __future__ import annotations
 
@@ -42,37 +44,40 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
     op, timer = torch.ops.cute_moe, Timer()
-    print(f"{'shape':<26} {'tile':>4} {'two kernels min/med':>20} {'one kernel min/med':>19} {'one/two':>8}  same bits")
+    forms = ["two kernels", "op"] + ([f"{args.tile} forced"] if args.tile else [])
+    print(f"{'shape':<24} {'op tile':>7} " + " ".join(f"{f + ' min/med':>20}" for f in forms)
+          + " " + " ".join(f"{f + ' / two':>16}" for f in forms[1:]) + "  same bits")  # fmt: skip
     for model in args.model or ["dsv3"]:
         E, N, K = MODELS[model]
         for t in (int(x) for x in args.tokens.split(",")):
             p = make_problem(Shape(f"{model} w13 T={t}", "decode", E, N, K, tokens=t))
             cnt, expected_m = p.expert_counts, t * DSV3_TOPK // E
-            tile = args.tile or gs.sm90_swiglu_tile(p.m_cap, E, K, True, expected_m)
+            w13 = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, cnt)
 
             def two():
-                h = op.grouped_gemm_fp8(p.a, p.a_scale, p.b, p.b_scale, p.offsets, cnt, expected_m)
+                h = op.grouped_gemm_fp8(*w13, expected_m)
                 return op.silu_mul_quant(h, p.offsets, True, None, cnt)
 
-            def one():
-                if args.tile:
-                    return g90.grouped_gemm_fp8_swiglu_cuda(p.a, p.a_scale, p.b, p.b_scale, p.offsets, cnt, True, None,
-                                                            expected_m, args.tile)  # fmt: skip
-                return op.grouped_gemm_fp8_swiglu(p.a, p.a_scale, p.b, p.b_scale, p.offsets, cnt, True, None,
-                                                  expected_m)  # fmt: skip
-
+            fns = {"two kernels": two, "op": lambda: op.grouped_gemm_fp8_swiglu(*w13, True, None, expected_m)}
+            if args.tile:
+                fns[forms[2]] = lambda: g90.grouped_gemm_fp8_swiglu_cuda(*w13, True, None, expected_m, args.tile)
             real = torch.zeros(p.m_cap, dtype=torch.bool, device="cuda")
             for lo, c in zip(p.offsets.tolist(), p.counts):
                 real[lo : lo + c] = True
-            (q2, s2), (q1, s1) = two(), one()
-            same = torch.equal(s1[real], s2[real]) and torch.equal(q1[real].view(torch.uint8), q2[real].view(torch.uint8))
-            times = {"two": [], "one": []}
+            outs = {f: fns[f]() for f in forms}
+            q2, s2 = outs["two kernels"]
+            same = all(torch.equal(s[real], s2[real]) and torch.equal(q[real].view(torch.uint8), q2[real].view(torch.uint8))
+                       for q, s in outs.values())  # fmt: skip
+            times = {f: [] for f in forms}
             for _ in range(args.rounds):
-                for name, fn in (("two", two), ("one", one)):
-                    times[name].append(timer.graph_us(fn, args.reps))
-            (m2, d2), (m1, d1) = ((min(v), statistics.median(v)) for v in (times["two"], times["one"]))
-            print(f"{p.shape.name:<26} {tile or '-':>4} {m2:>9.1f} / {d2:>8.1f} {m1:>8.1f} / {d1:>8.1f} {m1 / m2:>8.3f}  "
-                  f"{'yes' if same else 'NO'}", flush=True)  # fmt: skip
+                for f in forms:
+                    times[f].append(timer.graph_us(fns[f], args.reps))
+            mins = {f: min(v) for f, v in times.items()}
+            tile = gs.sm90_swiglu_tile(p.m_cap, E, K, True, expected_m)
+            print(f"{p.shape.name:<24} {tile or 'two':>7} "
+                  + " ".join(f"{mins[f]:>9.1f} / {statistics.median(times[f]):>8.1f}" for f in forms) + " "
+                  + " ".join(f"{mins[f] / mins['two kernels']:>16.3f}" for f in forms[1:])
+                  + f"  {'yes' if same else 'NO'}", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
