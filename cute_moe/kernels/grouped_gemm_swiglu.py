@@ -36,9 +36,10 @@ def grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, exp
 
 
 def inspect_variants(arch: str):
-    """sm_90a: the fused kernel's variants with expert counts (as fused_moe runs it at prefill; the
-    op's smaller launches there are ``grouped_gemm_fp8``'s and ``silu_mul_quant``'s kernels, listed
-    under those ops).  sm_100a, which has no fused kernel: the two kernels the op runs."""
+    """sm_90a: the fused kernel's variants with expert counts, as fused_moe runs them (256 wide at
+    prefill, 128 wide at decode; where the op runs two kernels, those are listed under
+    ``grouped_gemm_fp8`` and ``silu_mul_quant``).  sm_100a, which has no fused kernel: the two
+    kernels the op runs."""
     if arch == "sm_90a":
         from . import grouped_gemm_sm90  # noqa: PLC0415
 
