@@ -8,7 +8,10 @@ unwritten is NaN).  The cases are chosen so that the launch rule takes the fused
 with expert counts the cluster direction too): pairs along M and along N (I / 128 odd too: a visit
 past the last N tile, whose scales must not be written -- real rows cannot show such a write;
 ``bench/sanitize.sh memcheck`` runs two of these cases), gate first or second, f32 and ue8m0
-scales, with and without expert counts.
+scales, with and without expert counts.  The 128-wide kernel (decode sizes: 64 gate and 64 up
+columns per tile, the cluster pair's CTAs exchanging row amaxes) is launched directly, with the
+rule's choice asserted on its decode cases, and checked the same way on every row it defines, and
+for NaN codes on a misaligned segment's tiles.
 """
 from __future__ import annotations
 
