@@ -23,6 +23,9 @@
 #   come before the arrive in one instruction stream; a bar.warp.sync before the arrive compiles
 #   to a NOP there and leaves the reports as they are.  These reports make racecheck exit 9: read
 #   the log, a report on another kernel or address is new.
+# - The 128-wide SwiGLU kernel's two cases (session 29: its cluster pair exchanges row amaxes by
+#   st.async into each other's shared memory) have run under no tool yet; synccheck and racecheck
+#   on them are the ones that matter.
 # - initcheck: the tool does not see TMA stores, so it flags reads of every output a kernel stores
 #   by TMA (the GEMM's C), and it exits 9.  With PYTORCH_NO_CUDA_MEMORY_CACHING the tests' NaN
 #   poisoning does not reach the outputs either: this tool checks the other kernels' reads only.
@@ -54,6 +57,8 @@ cases=(
   "tests/test_gpu_grouped_gemm_swiglu.py::test_fused_equals_the_two_kernels[E64_rows384_I256_K4096_pairs_m-True-None-counts]"
   "tests/test_gpu_grouped_gemm_swiglu.py::test_fused_equals_the_two_kernels[E64_rows1024_I384_K4096_pairs_n_odd-False-ue8m0-no_counts]"
   "tests/test_gpu_grouped_gemm_swiglu.py::test_fused_equals_the_two_kernels[E64_rows1024_I384_K4096_pairs_n_odd-True-None-counts]"
+  "tests/test_gpu_grouped_gemm_swiglu.py::test_pair_split_equals_the_two_kernels[E16_rows300_I384_K4096_dense-True-None-counts]"
+  "tests/test_gpu_grouped_gemm_swiglu.py::test_pair_split_equals_the_two_kernels[E32_rows90_I128_K1024_empty-False-ue8m0-no_counts]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_token_scales_in_two_launches[ragged-True]"
   "tests/test_gpu_permute_quant.py::test_permute_quant_two_launches_through_the_launch_function"
   "tests/test_gpu_permute_quant.py::test_permute_quant_h_not_a_multiple_of_1024"
