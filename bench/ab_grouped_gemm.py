@@ -85,7 +85,7 @@ def parse_variant(text: str) -> dict:
     return out
 
 
-def _defined_rows(p) -> torch.Tensor:
+def defined_rows(p) -> torch.Tensor:
     """Indices of the output rows the contract defines: below expert_offsets[-1], and with expert
     counts only each segment's first counts[e] rows (its padding rows are unspecified)."""
     if p.expert_counts is None:
@@ -123,7 +123,7 @@ def main() -> None:
     for s in selected:  # one problem in memory at a time (E=256 weights are up to 7.5 GB)
         p = make_problem(s)
         launch_args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
-        rows = _defined_rows(p)
+        rows = defined_rows(p)
         outs = [fn(*launch_args, **kw)[rows].view(torch.int16) for _, fn, kw in variants]
         times = [[] for _ in variants]
         for _ in range(args.rounds):

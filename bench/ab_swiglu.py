@@ -29,6 +29,7 @@ import cute_moe  # noqa: E402,F401  (registers torch.ops.cute_moe)
 from cute_moe.kernels import grouped_gemm_schedule as gs  # noqa: E402
 from cute_moe.kernels import grouped_gemm_sm90 as g90  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
+from ab_grouped_gemm import defined_rows  # noqa: E402
 from bench_grouped_gemm import DSV3_TOPK, Shape, make_problem  # noqa: E402
 
 # (experts, 2I, H): the w13 GEMM of each model
@@ -61,9 +62,7 @@ def main() -> None:
             fns = {"two kernels": two, "op": lambda: op.grouped_gemm_fp8_swiglu(*w13, True, None, expected_m)}
             if args.tile:
                 fns[forms[2]] = lambda: g90.grouped_gemm_fp8_swiglu_cuda(*w13, True, None, expected_m, args.tile)
-            real = torch.zeros(p.m_cap, dtype=torch.bool, device="cuda")
-            for lo, c in zip(p.offsets.tolist(), p.counts):
-                real[lo : lo + c] = True
+            real = defined_rows(p)
             outs = {f: fns[f]() for f in forms}
             q2, s2 = outs["two kernels"]
             same = all(torch.equal(s[real], s2[real]) and torch.equal(q[real].view(torch.uint8), q2[real].view(torch.uint8))

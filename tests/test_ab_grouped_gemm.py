@@ -50,6 +50,6 @@ def test_defined_rows_leave_out_padding_only_with_counts():
     offsets = torch.tensor([0, 128, 128, 384], dtype=torch.int32)
     counts = [3, 0, 130]
     plain = SimpleNamespace(offsets=offsets, counts=counts, expert_counts=None, end=384)
-    assert ab._defined_rows(plain).tolist() == list(range(384))
+    assert ab.defined_rows(plain).tolist() == list(range(384))
     with_counts = SimpleNamespace(offsets=offsets, counts=counts, expert_counts=torch.tensor(counts), end=384)
-    assert ab._defined_rows(with_counts).tolist() == [0, 1, 2] + list(range(128, 258))
+    assert ab.defined_rows(with_counts).tolist() == [0, 1, 2] + list(range(128, 258))

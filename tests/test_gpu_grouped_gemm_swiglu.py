@@ -23,7 +23,7 @@ import torch
 from cute_moe.kernels import grouped_gemm_schedule as gs
 
 from .moe_cases import poison_pools
-from .test_gpu_grouped_gemm import activations, deepgemm_counts, expert_weights, routing_from_counts
+from .test_gpu_grouped_gemm import activations, deepgemm_counts, empty_counts, expert_weights, routing_from_counts
 
 pytest.importorskip("cute_moe.kernels.grouped_gemm_sm90")
 pytestmark = pytest.mark.gpu
@@ -103,9 +103,7 @@ def test_pair_split_equals_the_two_kernels(case, gate_first, scale_fmt, counted)
     E, rows, inter, K = SPLIT_CASES[case]
     seed = sum(map(ord, case)) * 17 + 2 * gate_first + (scale_fmt is not None) + 4 * counted
     rng = random.Random(seed)
-    counts = deepgemm_counts(E, rows, rng)
-    if case.endswith("_empty"):
-        counts = [0 if e in (0, E - 1) or rng.random() < 0.5 else c for e, c in enumerate(counts)]
+    counts = (empty_counts if case.endswith("_empty") else deepgemm_counts)(E, rows, rng)
     routing = routing_from_counts(counts)
     g = torch.Generator(device="cuda").manual_seed(seed)
     w13, w13_scale = expert_weights(E, 2 * inter, K, g)
