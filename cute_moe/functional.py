@@ -5,8 +5,11 @@ traces under ``torch.compile(fullgraph=True)`` and works in CUDA graphs); the op
 validates its inputs and raises ``TypeError`` / ``ValueError`` naming the
 argument. Eager calls on CUDA tensors skip the dispatcher and call the op's CUDA
 implementation directly (``cute_moe.ops.call``), except ``fused_moe``,
-``fused_moe_routed`` and ``fill_kv_cache_fp8``, which go through ``torch.ops``. Arguments with a default are
-keyword-only.
+``fused_moe_routed`` and ``fill_kv_cache_fp8``, which go through ``torch.ops``; calls that go
+through it have each argument's Python type checked against the op's schema first
+(``cute_moe.ops.dispatch``), since the dispatcher converts without a word (``True`` for an
+int is 1, ``None`` for a bool ``False``), as it still does for ``torch.ops.cute_moe.*``
+called directly. Arguments with a default are keyword-only.
 
 Conventions: FP8 is ``torch.float8_e4m3fn`` (max 448). Activation scales are
 f32, one per row per 128 columns, logical shape ``[rows, K/128]``; the
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from cute_moe.ops import call as _call  # (importing cute_moe.ops registers torch.ops.cute_moe.*)
+from cute_moe.ops import dispatch as _dispatch
 
 __all__ = [
     "align",
@@ -128,7 +132,11 @@ def route(
             tokens are unaffected).
         top_k: experts per token, ``1 <= top_k <= E``.
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
-        score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.
+        score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.  Finite, or ``-inf`` to mask an
+            expert (each token still gets ``top_k`` experts: masked ones where too few others
+            remain).  A NaN or ``+inf`` entry,
+            which would draw every token to its expert, raises ``ValueError`` on the CPU, and on the
+            GPU under ``CUTE_MOE_DEBUG=1`` (a host sync; unchecked otherwise).
         n_group, topk_group: grouped top-k (``deepseek_v3`` only; 1 otherwise). ``E % n_group == 0``,
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
         routed_scaling_factor: multiplies the final weights (every method); finite, > 0 and within
@@ -451,9 +459,9 @@ def fused_moe_routed(
         ``out``: ``[T, H]`` in x's dtype (finalize sums in f32 and rounds to bf16; fp16 output is
         converted from that).
     """
-    return _ops.fused_moe_routed(
-        x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first, act_scale_fmt,
-        apply_router_weight_on_input, num_experts,
+    return _dispatch(
+        "fused_moe_routed", x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, expert_offset, gate_first,
+        act_scale_fmt, apply_router_weight_on_input, num_experts,
     )  # fmt: skip
 
 
@@ -495,9 +503,10 @@ def fused_moe(
     Returns:
         ``out``: ``[T, H]`` in x's dtype.
     """
-    return _ops.fused_moe(
-        x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group, topk_group,
-        routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
+    return _dispatch(
+        "fused_moe", x, router_logits, w13, w13_scale, w2, w2_scale, top_k, routing_method, score_bias, n_group,
+        topk_group, routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt,
+        apply_router_weight_on_input,
     )  # fmt: skip
 
 
@@ -534,7 +543,8 @@ def fill_kv_cache_fp8(
         v_cache: same with Dv, or ``None``; not starting at k_cache's address. Mutated.
         k_scale_cache, v_scale_cache: f32, the cache layout with last dim ``D/group_size``. Mutated.
         cu_seqlens_q: ``[B+1]`` int32 prefix sums of the new tokens per sequence (``[-1] == N_tok``,
-            not checked).
+            not checked): non-decreasing (``ValueError`` on the CPU, and on the GPU under
+            ``CUTE_MOE_DEBUG=1``; unchecked there otherwise).
         kv_seqlens: ``[B]`` int32 sequence lengths **including** the new tokens (lmdeploy's
             ``kv_seqlens``, vLLM's ``seq_lens``; a context length without them, such as vLLM's
             ``context_lens``, puts the tokens that many slots too early).
@@ -554,7 +564,7 @@ def fill_kv_cache_fp8(
     ``[-1, num_blocks)``; -1 entries are still skipped.
     Inputs must be finite (non-finite values give unspecified codes).
     """
-    _ops.fill_kv_cache_fp8(
-        k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
-        group_size, scale_fmt, layout,
+    _dispatch(
+        "fill_kv_cache_fp8", k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q,
+        kv_seqlens, block_offsets, group_size, scale_fmt, layout,
     )  # fmt: skip

@@ -155,7 +155,7 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     if score_bias is None:
         return None
     _check_tensor(where, "score_bias", score_bias, _FLOAT_W, (num_experts,), "[num_experts]")
-    _check_no_nan(where, "score_bias", score_bias)
+    _check_bias_values(where, "score_bias", score_bias)
     return score_bias.float()
 
 
@@ -169,12 +169,16 @@ def _check_block_scales(where: str, name: str, scales: Tensor) -> None:
         _fail(where, f"{name} must be finite and > 0, got {scales[bad][0].item()}")
 
 
-def _check_no_nan(where: str, name: str, bias: Tensor) -> None:
-    """A NaN selection bias routes every token to one expert with finite outputs; checked once, at
-    construction, as the op cannot without a host sync per call (-inf, which masks an expert, is
-    allowed)."""
-    if V.holds_data(bias) and bool(bias.isnan().any()):
-        _fail(where, f"{name} must not be NaN, got NaN at expert {int(bias.isnan().nonzero()[0, 0])}")
+def _check_bias_values(where: str, name: str, bias: Tensor) -> None:
+    """A NaN or +inf selection bias routes every token to one expert with finite outputs; checked
+    once, at construction or load, as the op on the GPU cannot without a host sync per call (-inf,
+    which masks an expert, is allowed)."""
+    if not V.holds_data(bias):
+        return
+    bad = bias.isnan() | (bias == float("inf"))
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        _fail(where, f"{name} must not be NaN or +inf, got {float(bias[e])} at expert {e}")
 
 
 class FusedMoE(torch.nn.Module):
@@ -369,8 +373,16 @@ class FusedMoE(torch.nn.Module):
         (bf16 weights into FP8 codes) without a word."""
         for name, buf in self._buffers.items():
             t = state_dict.get(prefix + name)
-            if buf is not None and isinstance(t, Tensor) and t.dtype != buf.dtype:
-                _fail("FusedMoE", f"state_dict[{prefix + name!r}] must be {buf.dtype}, got {t.dtype}", TypeError)
+            if buf is None or not isinstance(t, Tensor):
+                continue
+            key = f"state_dict[{prefix + name!r}]"
+            if t.dtype != buf.dtype:
+                _fail("FusedMoE", f"{key} must be {buf.dtype}, got {t.dtype}", TypeError)
+            # what the constructors check: the ops cannot without a host sync per call
+            if name in ("w13_scale", "w2_scale"):
+                _check_block_scales("FusedMoE", key, t)
+            elif name == "score_bias":
+                _check_bias_values("FusedMoE", key, t)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -699,7 +711,7 @@ class FusedMoE(torch.nn.Module):
                 )
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
-            _check_no_nan(where, repr(bias_key), b)
+            _check_bias_values(where, repr(bias_key), b)
             bias = b.float()
         elif routing_method == "deepseek_v3":
             # Legal (grouped top-k without a bias), but a DeepSeek-V3 checkpoint always has one: a

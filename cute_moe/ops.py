@@ -74,6 +74,9 @@ _ANY_EXPERT = V.INT32_MAX
 _LIB = torch.library.Library(_NS, "DEF")
 
 
+_PLAIN_CLASS = {"Tensor": Tensor, "int": int, "bool": bool, "float": float, "str": str}
+
+
 class _Op:
     """One op registered through torch.library's low-level API.
 
@@ -97,6 +100,30 @@ class _Op:
         self.__wrapped__ = fn
         self.kernels: dict[str, Callable[..., Any]] = {}  # device type -> implementation, for tests
         self.arg_names = tuple(inspect.signature(fn).parameters)
+        # (name, type, its plain Python class, optional) per schema argument, in order: what
+        # ``check_arg_types`` checks.
+        self.arg_types = []
+        for a in getattr(torch.ops.cute_moe, self.name).default._schema.arguments:
+            kind = str(a.type).removeprefix("Optional[").removesuffix("]")
+            self.arg_types.append((a.name, kind, _PLAIN_CLASS[kind], str(a.type).startswith("Optional[")))
+
+    def check_arg_types(self, args: tuple[Any, ...]) -> None:
+        """TypeError naming the argument for a positional value the dispatcher would convert without
+        a word (it takes ``True`` for an int, ``None`` for a bool as ``False``, ``2.7`` in a 0-d
+        tensor as ``2``) or reject without naming it (``None`` for a tensor)."""
+        for v, (name, kind, plain, optional) in zip(args, self.arg_types):
+            if type(v) is plain or (v is None and optional):  # the common case, ~0.1 µs per argument
+                continue
+            if kind == "Tensor":
+                V.check_tensor(self.name, name, v)
+            elif kind == "int":
+                V.check_int(self.name, name, v)
+            elif kind == "bool":
+                V.check_bool(self.name, name, v)
+            elif kind == "float":
+                V.check_float(self.name, name, v)
+            elif kind == "str":
+                V.check_str(self.name, name, v)
 
     def register_kernel(self, device_type: str, fn: Optional[Callable[..., Any]] = None) -> Any:
         """A CUDA implementation is registered behind the launch memo (``launch_memo.py``): eager
@@ -166,6 +193,14 @@ def call(name: str, *args: Any) -> Any:
         impl = _OPS[name].kernels.get("cuda")
         if impl is not None:
             return impl(*args)
+    return dispatch(name, *args)
+
+
+def dispatch(name: str, *args: Any) -> Any:
+    """``torch.ops.cute_moe.<name>(*args)`` after ``_Op.check_arg_types`` (not while compiling,
+    where the values are traced: the op's validation checks them there)."""
+    if not torch.compiler.is_compiling():
+        _OPS[name].check_arg_types(args)
     return getattr(torch.ops.cute_moe, name)(*args)
 
 
@@ -217,12 +252,18 @@ def _check_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int) ->
             raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {value}")
 
 
+def _check_non_decreasing(op: str, name: str, prefix_sums: Tensor) -> Tensor:
+    """ValueError unless ``prefix_sums`` never decreases; returns the lengths it delimits."""
+    lengths = prefix_sums[1:] - prefix_sums[:-1]
+    if bool((lengths < 0).any()):
+        raise ValueError(f"cute_moe.{op}: {name} must be non-decreasing, got {prefix_sums.tolist()[:16]}")
+    return lengths
+
+
 def _check_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor] = None) -> None:
     """expert_offsets non-decreasing in [0, M_cap]; counts in [0, segment length]."""
     _check_indices(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
-    lengths = expert_offsets[1:] - expert_offsets[:-1]
-    if bool((lengths < 0).any()):
-        raise ValueError(f"cute_moe.{op}: expert_offsets must be non-decreasing, got {expert_offsets.tolist()[:16]}")
+    lengths = _check_non_decreasing(op, "expert_offsets", expert_offsets)
     if expert_counts is not None and bool(((expert_counts < 0) | (expert_counts > lengths)).any()):
         raise ValueError(f"cute_moe.{op}: expert_counts[e] must lie in [0, expert_offsets[e+1] - expert_offsets[e]]")
 
@@ -292,10 +333,22 @@ def route(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    _check_score_bias_values("route", score_bias)
     ids, w = R.route_ref(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
     # clone, not .contiguous(): that keeps a sliced view's strides when T <= 1 (torch counts it as
     # contiguous), and the fake and the kernel give (k, 1).
     return ids.clone(memory_format=torch.contiguous_format), w.clone(memory_format=torch.contiguous_format)
+
+
+def _check_score_bias_values(op: str, score_bias: Optional[Tensor]) -> None:
+    """A NaN or +inf bias wins every comparison: every token would go to that expert, with finite
+    weights.  (-inf masks an expert.)  Read on the CPU, on CUDA only under ``CUTE_MOE_DEBUG``."""
+    if score_bias is None or not V.holds_data(score_bias) or (score_bias.is_cuda and not _debug_checks()):
+        return
+    bad = score_bias.isnan() | (score_bias == float("inf"))
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        raise ValueError(f"cute_moe.{op}: score_bias must not be NaN or +inf, got {float(score_bias[e])} at expert {e}")
 
 
 @route.register_kernel("cuda")
@@ -309,6 +362,7 @@ def _route_cuda(
     routed_scaling_factor: float = 1.0,
 ) -> tuple[Tensor, Tensor]:
     V.validate_route(router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
+    _check_score_bias_values("route", score_bias)
     route_cuda = _launcher("route", "route_cuda")
 
     if router_logits.dtype == torch.float16:  # the kernel reads f32 or bf16; fp16 -> f32 is exact
@@ -765,6 +819,7 @@ def fused_moe(
         routed_scaling_factor, expert_offset, num_experts, gate_first, act_scale_fmt, apply_router_weight_on_input,
     )  # fmt: skip
     _check_align_limits("fused_moe", x, top_k, w13.shape[0])
+    _check_score_bias_values("fused_moe", score_bias)
     ids, w = call("route", router_logits, top_k, routing_method, score_bias, n_group, topk_group, routed_scaling_factor)
     e_global = router_logits.shape[1]
     return _moe_from_topk(
@@ -805,6 +860,7 @@ def fill_kv_cache_fp8(
         k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
         group_size, scale_fmt, layout,
     )  # fmt: skip
+    _check_non_decreasing("fill_kv_cache_fp8", "cu_seqlens_q", cu_seqlens_q)
     R.fill_kv_cache_fp8_ref(
         k_states, v_states, k_cache, v_cache, k_scale_cache, v_scale_cache, cu_seqlens_q, kv_seqlens, block_offsets,
         group_size, scale_fmt, layout,
@@ -831,6 +887,8 @@ def _fill_kv_cache_fp8_cuda(
         group_size, scale_fmt, layout,
     )  # fmt: skip
     V.validate_fill_kv_cache_fp8(*args)
+    if _debug_checks():
+        _check_non_decreasing("fill_kv_cache_fp8", "cu_seqlens_q", cu_seqlens_q)
     fill_kv_cache_fp8_cuda = _launcher("fill_kv_cache_fp8", "fill_kv_cache_fp8_cuda")
 
     fill_kv_cache_fp8_cuda(*args)

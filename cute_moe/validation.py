@@ -226,6 +226,11 @@ def check_bool(op: str, name: str, v: Any) -> None:
         _fail(op, f"{name} must be a bool, got {type(v).__name__}", TypeError)
 
 
+def check_str(op: str, name: str, v: Any) -> None:
+    if not isinstance(v, str):
+        _fail(op, f"{name} must be a str, got {type(v).__name__}", TypeError)
+
+
 def check_float(op: str, name: str, v: Any) -> None:
     if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
         _fail(op, f"{name} must be a float, got {type(v).__name__}", TypeError)
@@ -494,7 +499,6 @@ def _check_gemm(
         check_divisible(op, f"K ({bn}.shape[2])", Kb, ACT_GROUP_SIZE)
         check_divisible(op, f"N ({bn}.shape[1])", Nb, 8)
     if a is not None:
-        assert a_scale is not None
         _tensor(op, asn, a_scale, torch.float32, 2, "[M, K/128]", last_dim_contiguous=False)
         check_shape(op, asn, a_scale, (a.shape[0], Kb // ACT_GROUP_SIZE), "[M, K/128]")
     # A unit last stride: the [E, N/128, K/128] weight_scale_inv layout the kernels load from.
@@ -521,6 +525,8 @@ def _check_grouped_gemm(op: str, names: tuple[str, str, str, str], a: Tensor, a_
                         expected_m: Optional[int]) -> tuple[int, int, int]:  # fmt: skip
     """Both grouped GEMM ops' operands (``names``: how the op calls a, a_scale, b, b_scale), segments,
     devices and launch hint; returns (E, N, K)."""
+    if a is None:  # (``_check_gemm`` takes a None A as "weights only")
+        check_tensor(op, names[0], a)
     E, N, K = _check_gemm(op, a, a_scale, b, b_scale, names)
     experts = f"E = {names[2]}.shape[0]"
     _offsets(op, "expert_offsets", expert_offsets, E, experts)
@@ -616,6 +622,8 @@ def _check_moe_weights(
     check_divisible(op, "H (x.shape[1])", H, ACT_GROUP_SIZE)
     if H == 0:
         _fail(op, f"H (x.shape[1]) must be >= {ACT_GROUP_SIZE}, got 0")
+    if isinstance(w13, Tensor) and w13.ndim == 3 and w13.shape[2] != H:  # (either may be the wrong one)
+        _fail(op, f"x.shape[1] (H = {H}) must equal w13.shape[2] (H = {w13.shape[2]})")
     E, two_i, _ = _check_gemm(op, None, None, w13, w13_scale, ("", "", "w13", "w13_scale"), K=H)
     if E == 0:
         _fail(op, "E_local (w13.shape[0]) must be >= 1, got 0")

@@ -196,6 +196,26 @@ def test_load_state_dict_refuses_other_dtypes() -> None:
     layer.load_state_dict(sd)
 
 
+def test_load_state_dict_checks_values_as_the_constructors_do() -> None:
+    """The documented meta -> to_empty -> load_state_dict route gets from_fp8's checks: a NaN or
+    non-positive block scale gives NaN or undequantized rows, a NaN or +inf bias one expert for every
+    token, and the ops on the GPU cannot check either without a host sync per call."""
+    g = torch.Generator().manual_seed(5)
+    layer = FusedMoE.from_bf16(*_bf16_weights(g), top_k=TOP_K)
+    sd = layer.state_dict()
+    for key, fill in (("w13_scale", float("nan")), ("w2_scale", 0.0), ("w2_scale", -1.0)):
+        bad = dict(sd, **{key: sd[key].clone().index_fill_(0, torch.tensor([1]), fill)})
+        with pytest.raises(ValueError, match=rf"FusedMoE: state_dict\['{key}'\] must be finite and > 0"):
+            layer.load_state_dict(bad)
+    biased = FusedMoE.from_bf16(*_bf16_weights(g), top_k=TOP_K, routing_method="deepseek_v3",
+                                score_bias=torch.zeros(E))  # fmt: skip
+    sd = biased.state_dict()
+    bad = dict(sd, score_bias=torch.zeros(E).index_fill_(0, torch.tensor([2]), float("inf")))
+    with pytest.raises(ValueError, match=r"FusedMoE: state_dict\['score_bias'\] must not be NaN or \+inf, got inf at expert 2"):
+        biased.load_state_dict(bad)
+    biased.load_state_dict(sd)
+
+
 # ----------------------------------------------------------------------------- from_hf_fp8
 
 
@@ -577,10 +597,10 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"expert_offset \+ num_local_experts|num_local_experts must be >= 1"),
         # values that would give wrong or NaN outputs
         ("bias NaN", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=nan_at(torch.zeros(E), 1), **DSV3),
-         ValueError, r"score_bias must not be NaN, got NaN at expert 1"),
+         ValueError, r"score_bias must not be NaN or \+inf, got nan at expert 1"),
         ("hf bias NaN", lambda: FusedMoE.from_hf_fp8(
             {**sd, f"{PREFIX}gate.e_score_correction_bias": nan_at(torch.zeros(E), 5)}, PREFIX, E, TOP_K, **DSV3),
-         ValueError, r"'model\.layers\.3\.mlp\.gate\.e_score_correction_bias' must not be NaN, got NaN at expert 5"),
+         ValueError, r"'model\.layers\.3\.mlp\.gate\.e_score_correction_bias' must not be NaN or \+inf, got nan at expert 5"),
         ("scale NaN", lambda: FusedMoE.from_fp8(q13, nan_at(s13.clone(), 0), q2, s2, top_k=2), ValueError,
          r"w13_scale must be finite and > 0, got nan"),
         ("scale NaN, Parameter subclass", lambda: FusedMoE.from_fp8(

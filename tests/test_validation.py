@@ -108,12 +108,30 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"x": _r(2, 3, K)}, ValueError, r"x must be 2-D \[M, K\], got shape \[2, 3, 256\]"),
         (lambda g: {"group_size": 96}, ValueError, r"K \(x\.shape\[1\]\) must be divisible by group_size = 96"),
         (lambda g: {"group_size": 0}, ValueError, r"group_size must be >= 1, got 0"),
-        (lambda g: {"group_size": 1.5}, TypeError, r"argument 'group_size'"),
+        (lambda g: {"group_size": 1.5}, TypeError, r"group_size must be an int, got float"),
         (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt must be one of None, 'ue8m0', got 'e8m0'"),
         (lambda g: {"x": _r(T, 2 * K)[:, ::2]}, ValueError, r"x must have a contiguous last dimension"),
-        (lambda g: {"x": [[1.0] * K]}, TypeError, r"argument 'x'"),
+        (lambda g: {"x": [[1.0] * K]}, TypeError, r"x must be a torch.Tensor, got list"),
+        # the dispatcher would take these as 1 / False without a word
+        (lambda g: {"group_size": True}, TypeError, r"group_size must be an int, got bool"),
+        (lambda g: {"column_major_scales": None}, TypeError, r"column_major_scales must be a bool, got NoneType"),
+        (lambda g: {"x": None}, TypeError, r"x must be a torch.Tensor, got NoneType"),
     ],
     "route": [
+        (lambda g: {"top_k": torch.tensor(2.7)}, TypeError, r"top_k must be an int, got Tensor"),
+        (lambda g: {"routed_scaling_factor": True}, TypeError, r"routed_scaling_factor must be a float, got bool"),
+        (lambda g: {"method": 3}, TypeError, r"method must be a str, got int"),
+        (lambda g: {"router_logits": None}, TypeError, r"router_logits must be a torch.Tensor, got NoneType"),
+        (
+            lambda g: {"method": "deepseek_v3", "score_bias": torch.zeros(16).index_fill(0, torch.tensor([5]), torch.nan)},
+            ValueError,
+            r"score_bias must not be NaN or \+inf, got nan at expert 5",
+        ),
+        (
+            lambda g: {"method": "deepseek_v3", "score_bias": torch.zeros(16).index_fill(0, torch.tensor([9]), torch.inf)},
+            ValueError,
+            r"score_bias must not be NaN or \+inf, got inf at expert 9",
+        ),
         (lambda g: {"top_k": 0}, ValueError, r"top_k must be >= 1, got 0"),
         (lambda g: {"top_k": 17}, ValueError, r"top_k must be <= num_experts \(router_logits\.shape\[1\]\) = 16"),
         (lambda g: {"method": "topk"}, ValueError, r"method must be one of 'softmax', .*, got 'topk'"),
@@ -157,6 +175,8 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         ),
     ],
     "align": [
+        (lambda g: {"topk_ids": None}, TypeError, r"topk_ids must be a torch.Tensor, got NoneType"),
+        (lambda g: {"alignment": True}, TypeError, r"alignment must be an int, got bool"),
         (lambda g: {"topk_ids": g["topk_ids"].long()}, TypeError, r"topk_ids must be int32, got torch\.int64"),
         (lambda g: {"topk_ids": g["topk_ids"].flatten()}, ValueError, r"topk_ids must be 2-D \[T, k\]"),
         (lambda g: {"num_experts": 0}, ValueError, r"num_experts must be >= 1"),
@@ -178,6 +198,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         ),
     ],
     "permute_quant": [
+        (lambda g: {"zero_padding": None}, TypeError, r"zero_padding must be a bool, got NoneType"),
         (lambda g: {"x": g["x"].float()}, TypeError, r"x must be one of bfloat16, float16, got torch\.float32"),
         (lambda g: {"x": _r(T, 200)}, ValueError, r"H \(x\.shape\[1\]\) must be divisible by 128, got 200"),
         (lambda g: {"row_to_token": g["row_to_token"].long()}, TypeError, r"row_to_token must be int32"),
@@ -205,7 +226,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             ValueError,
             r"token_to_row must be 2-D \[T, k\]",
         ),
-        (lambda g: {"token_to_row": [[0, 1]] * T}, TypeError, r"argument 'token_to_row'"),
+        (lambda g: {"token_to_row": [[0, 1]] * T}, TypeError, r"token_to_row must be a torch.Tensor, got list"),
     ],
     "permute": [
         (lambda g: {"a_in": g["a_in"].bfloat16()}, TypeError, r"a_in must be float8_e4m3fn, got torch\.bfloat16"),
@@ -221,7 +242,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"w13\.shape\[1\] = 2I must have I divisible by 128, got 2I = 128",
         ),
         (lambda g: {"expert_counts": torch.zeros(E, dtype=I64)}, TypeError, r"expert_counts must be int32"),
-        (lambda g: {"gate_first": "yes"}, TypeError, r"argument 'gate_first'"),
+        (lambda g: {"gate_first": "yes"}, TypeError, r"gate_first must be a bool, got str"),
         (lambda g: {"scale_fmt": "e8m0"}, ValueError, r"scale_fmt"),
         (lambda g: {"expected_m": -1}, ValueError, r"grouped_gemm_fp8_swiglu: expected_m must be >= 0, got -1"),
         (lambda g: {"expected_m": 2.5}, TypeError, r"expected_m"),
@@ -232,6 +253,8 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         ),
     ],
     "grouped_gemm_fp8": [
+        (lambda g: {"a": None}, TypeError, r"a must be a torch.Tensor, got NoneType"),
+        (lambda g: {"a_scale": None}, TypeError, r"a_scale must be a torch.Tensor, got NoneType"),
         (
             lambda g: {"b_scale": torch.rand(E, 1, 4)[:, :, ::2]},
             ValueError,
@@ -281,10 +304,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"b": _r(128, K, dtype=FP8)}, ValueError, r"b must be 3-D \[E, N, K\]"),
     ],
     "silu_mul_quant": [
+        (lambda g: {"gate_first": None}, TypeError, r"gate_first must be a bool, got NoneType"),
         (lambda g: {"h": g["h"].half()}, TypeError, r"h must be bfloat16, got torch\.float16"),
         (lambda g: {"h": g["h"][:, :200]}, ValueError, r"h\.shape\[1\] = 2I must have I divisible by 128"),
         (lambda g: {"expert_offsets": g["expert_offsets"].float()}, TypeError, r"expert_offsets must be int32"),
-        (lambda g: {"gate_first": "yes"}, TypeError, r"argument 'gate_first'"),
+        (lambda g: {"gate_first": "yes"}, TypeError, r"gate_first must be a bool, got str"),
         (lambda g: {"scale_fmt": "fp32"}, ValueError, r"scale_fmt must be one of"),
         (lambda g: {"expert_counts": g["expert_counts"].long()}, TypeError, r"expert_counts must be int32"),
         (
@@ -293,7 +317,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"expert_counts must have shape \[E\] \(E \+ 1 = expert_offsets\.shape\[0\]\) = \[8\], got \[7\]",
         ),
         (lambda g: {"expert_counts": g["expert_counts"][None]}, ValueError, r"expert_counts must be 1-D \[E\]"),
-        (lambda g: {"expert_counts": [1] * 8}, TypeError, r"argument 'expert_counts'"),
+        (lambda g: {"expert_counts": [1] * 8}, TypeError, r"expert_counts must be a torch.Tensor, got list"),
     ],
     "finalize": [
         (lambda g: {"y": g["y"].float()}, TypeError, r"y must be bfloat16, got torch\.float32"),
@@ -312,6 +336,8 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"weights": g["weights"].double()}, TypeError, r"weights must be float32, got torch\.float64"),
     ],
     "fused_moe_routed": [
+        (lambda g: {"expert_offset": True}, TypeError, r"expert_offset must be an int, got bool"),
+        (lambda g: {"gate_first": None}, TypeError, r"gate_first must be a bool, got NoneType"),
         (lambda g: {"x": g["x"].float()}, TypeError, r"x must be one of bfloat16, float16, got torch\.float32"),
         (lambda g: {"num_experts": 0}, ValueError, r"fused_moe_routed: num_experts must be >= 1, got 0"),
         (lambda g: {"num_experts": 8.0}, TypeError, r"num_experts"),
@@ -325,7 +351,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             TypeError,
             r"topk_weights must be one of bfloat16, float16, float32, got torch\.float64",
         ),
-        (lambda g: {"w13": g["w13"][:, :, :128]}, ValueError, r"w13 must have K = 256"),
+        (lambda g: {"w13": g["w13"][:, :, :128]}, ValueError, r"x.shape\[1\] \(H = 256\) must equal w13.shape\[2\] \(H = 128\)"),
         (lambda g: {"w2": _r(2, H, 2 * I, dtype=FP8)}, ValueError, r"w2 must have K = 128"),
         (lambda g: {"w2": _r(3, H, I, dtype=FP8)}, ValueError, r"w2 must have E = 2"),
         (
@@ -353,6 +379,12 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"expert_offset": 2**31 - 2}, ValueError, r"expert_offset must be <= 2\*\*31 - 1 - E_local = 2147483645"),
     ],
     "fused_moe": [
+        (lambda g: {"top_k": True}, TypeError, r"top_k must be an int, got bool"),
+        (
+            lambda g: {"routing_method": "deepseek_v3", "score_bias": torch.full((8,), torch.nan)},
+            ValueError,
+            r"score_bias must not be NaN or \+inf",
+        ),
         (lambda g: {"num_experts": 16}, ValueError, r"num_experts must equal router_logits\.shape\[1\] = 8"),
         (
             lambda g: {"expert_offset": 7},
@@ -374,6 +406,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"w13": g["w13"].bfloat16()}, TypeError, r"w13 must be float8_e4m3fn"),
     ],
     "fill_kv_cache_fp8": [
+        (
+            lambda g: {"cu_seqlens_q": torch.tensor([0, 3, 2], dtype=I32)},
+            ValueError,
+            r"cu_seqlens_q must be non-decreasing, got \[0, 3, 2\]",
+        ),
         (
             lambda g: {"v_cache": None},
             ValueError,
