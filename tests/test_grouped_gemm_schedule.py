@@ -259,26 +259,37 @@ def test_launch_errors_name_the_calling_op():
         gs.prepare_a_scale(torch.empty(128, 2), "grouped_gemm_fp8_swiglu")
 
 
-def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles_without_store_behind():
+def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
     """DeepSeek-V3's w13 at prefill takes the 256-wide kernel; at decode sizes, and on expert-parallel
     slices under 64 experts (their M_cap counts every routed row), the 128-wide one, where the GEMM
-    pairs N tiles without the store-behind epilogue; where the GEMM pairs M tiles or stores behind,
-    two kernels."""
+    pairs N tiles, with or without the store-behind epilogue (the fused kernel has none); where the
+    128-wide GEMM pairs M tiles, two kernels."""
     dsv3_t8192, dsv3_t1, ep8_t8192 = 8192 * 8 + 256 * 127, 1 * 8 + 8 * 127, 8192 * 8 + 32 * 127  # align's M_cap
     assert gs.sm90_swiglu_tile(dsv3_t8192, 256, 7168, True) == gs.WIDE_TILE_N
     assert gs.sm90_swiglu_tile(dsv3_t1, 256, 7168, True) == gs.TILE_N
     assert gs.sm90_swiglu_tile(ep8_t8192, 32, 7168, True) == gs.TILE_N
     assert gs.sm90_swiglu_tile(4 * 8192, 4, 7168, False) == gs.WIDE_TILE_N  # contiguous segments, any expert count
-    # The store-behind epilogue (K <= 2048 from half a real tile per expert with counts, any size on
-    # contiguous segments under the wide tile's 1.5): two kernels.  Qwen3-30B-A3B's w13 at T = 512
-    # (a quarter tile per expert) and T = 1024 (half a tile).
+    # Where the plain GEMM stores behind (K <= 2048 from half a real tile per expert with counts,
+    # any size on contiguous segments under the wide tile's 1.5), the 128-wide kernel too (session
+    # 30: Qwen3-30B-A3B's w13 at T = 1024 and 1536, half and 3/4 of a tile per expert, -12% / -10%
+    # against the two kernels).
     def m_cap(t, e):  # align's static M_cap
         return -(-(t * 8 + min(t * 8, e) * 127) // 128) * 128
 
     assert gs.sm90_launch_config(32 * 128, 32, 2048, False) == (False, True, gs.TILE_N)
-    assert gs.sm90_swiglu_tile(32 * 128, 32, 2048, False) is None
+    assert gs.sm90_swiglu_tile(32 * 128, 32, 2048, False) == gs.TILE_N
     assert gs.sm90_swiglu_tile(m_cap(512, 128), 128, 2048, True) == gs.TILE_N
-    assert gs.sm90_swiglu_tile(m_cap(1024, 128), 128, 2048, True) is None
+    assert gs.sm90_launch_config(m_cap(1024, 128), 128, 2048, True)[1]  # the plain GEMM stores behind
+    assert gs.sm90_swiglu_tile(m_cap(1024, 128), 128, 2048, True) == gs.TILE_N
+    # The rules pair M tiles only 256 wide, so the fused kernel runs at every shape; its None (two
+    # kernels) guards a 128-wide launch paired along M.
+    for e in (4, 8, 16, 32, 64, 128, 256, 384):
+        for k in (1024, 2048, 4096, 7168):
+            for t in (1, 16, 128, 512, 1024, 2048, 4096, 8192, 16384):
+                for has_counts, expected_m in ((True, None), (True, t * 8 // e), (False, None)):
+                    cap = m_cap(t, e) if has_counts else max(1, t * 8 // e) * e
+                    width = gs.sm90_launch_config(cap, e, k, has_counts, expected_m=expected_m)[2]
+                    assert gs.sm90_swiglu_tile(cap, e, k, has_counts, expected_m) == width, (e, k, t, has_counts)
 
 
 def test_expected_m_replaces_the_estimate():

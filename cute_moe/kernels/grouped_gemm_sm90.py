@@ -28,7 +28,8 @@ the w13 GEMM with ``silu_mul_quant`` in its epilogue, which writes ``y = silu(ga
 codes with 1x128 scales, bit for bit what the two kernels write:
 * 256 wide (prefill): the tile's halves are gate block j and up block j of w13, one 1x128 group per
   row (``swiglu_epilogue``: through shared memory, one TMA store per tile);
-* 128 wide (decode sizes; pairs along N only, no store-behind): the tile holds w13's gate rows
+* 128 wide (decode sizes, and K <= 2048 under a real M tile per expert; pairs along N only, no
+  store-behind): the tile holds w13's gate rows
   [64 t, 64 t + 64) and the matching up rows, B loaded as two 64-row boxes with one B scale each
   (the promotion takes a column's scale by its half), so a thread holds both factors of each of
   its output columns; a row's 1x128 group spans the pair's N tiles 2j and 2j + 1, and the two CTAs

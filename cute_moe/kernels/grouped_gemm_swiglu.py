@@ -4,10 +4,10 @@
 ``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda``.  256 wide where the GEMM takes that tile (about
 one real M tile per expert or more, from ``expected_m`` where given; without it, with expert counts,
 also at least 64 experts): the tile's halves hold a gate block and its up block.  128 wide where
-the GEMM's 128-wide tile pairs N tiles without the store-behind epilogue (decode sizes): a tile
-holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x128 group.  Everywhere else
-(the 128-wide tile's pairs along M or store-behind epilogue, sm_100a) ``grouped_gemm_fp8``'s kernel
-and then ``silu_mul_quant``'s.  The results are the same bits.
+the GEMM's 128-wide tile pairs N tiles (decode sizes; K <= 2048 under one real M tile per expert):
+a tile holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x128 group.
+Everywhere else (the 128-wide tile's pairs along M, sm_100a) ``grouped_gemm_fp8``'s kernel and
+then ``silu_mul_quant``'s.  The results are the same bits.
 """
 from __future__ import annotations
 
