@@ -27,11 +27,8 @@ T == 0), see :func:`cute_moe.reference.m_cap`.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
-from typing import Optional, TypeVar
+from typing import Optional
 
-import torch
 from torch import Tensor
 
 from cute_moe.ops import call as _call  # (importing cute_moe.ops registers torch.ops.cute_moe.*)
@@ -53,38 +50,6 @@ __all__ = [
     "silu_mul_quant",
 ]
 
-_ops = torch.ops.cute_moe
-_F = TypeVar("_F", bound=Callable[..., object])
-
-
-def _api(fn: _F) -> _F:
-    """Re-raise the dispatcher's schema type errors (a RuntimeError) as ``TypeError``.
-
-    ``torch.ops`` checks the Python type of every argument against the op schema
-    before our validation runs and raises ``RuntimeError("cute_moe::<op>() Expected a
-    value of type 'int' for argument 'group_size' ...")``; the functional API turns
-    that into ``TypeError("cute_moe.<op>: ...")``, like the rest of the validation.
-    Only the error path pays for this.
-    """
-    name = fn.__name__
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if torch.compiler.is_compiling():
-            return fn(*args, **kwargs)
-        try:
-            return fn(*args, **kwargs)
-        except RuntimeError as e:
-            msg = str(e)
-            if msg.startswith(f"cute_moe::{name}() Expected a value of type"):
-                first = msg.split("\n", 1)[0].removeprefix(f"cute_moe::{name}() ")
-                raise TypeError(f"cute_moe.{name}: {first}") from e
-            raise
-
-    return wrapper  # type: ignore[return-value]
-
-
-@_api
 def quant_fp8(
     x: Tensor, *, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
 ) -> tuple[Tensor, Tensor]:
@@ -110,7 +75,6 @@ def quant_fp8(
     return _call("quant_fp8", x, group_size, scale_fmt, column_major_scales)
 
 
-@_api
 def route(
     router_logits: Tensor,
     top_k: int,
@@ -170,7 +134,6 @@ def route(
     return _call("route", router_logits, top_k, method, score_bias, n_group, topk_group, routed_scaling_factor)
 
 
-@_api
 def align(
     topk_ids: Tensor,
     num_experts: int,
@@ -203,7 +166,6 @@ def align(
     return _call("align", topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
 
-@_api
 def permute_quant(
     x: Tensor,
     row_to_token: Tensor,
@@ -243,7 +205,6 @@ def permute_quant(
     return _call("permute_quant", x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
 
 
-@_api
 def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offsets: Tensor) -> tuple[Tensor, Tensor]:
     """Gather already-quantized rows (and their scales) into expert order.
 
@@ -260,7 +221,6 @@ def permute(a_in: Tensor, a_in_scale: Tensor, row_to_token: Tensor, expert_offse
     return _call("permute", a_in, a_in_scale, row_to_token, expert_offsets)
 
 
-@_api
 def grouped_gemm_fp8(
     a: Tensor,
     a_scale: Tensor,
@@ -306,7 +266,6 @@ def grouped_gemm_fp8(
     return _call("grouped_gemm_fp8", a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
 
 
-@_api
 def grouped_gemm_fp8_swiglu(
     a: Tensor,
     a_scale: Tensor,
@@ -324,14 +283,14 @@ def grouped_gemm_fp8_swiglu(
     :func:`silu_mul_quant` of its output with the same ``expert_offsets`` / ``expert_counts``.
 
     Returns ``(a2 [M_cap, I] float8_e4m3fn, a2_scale [M_cap, I/128] f32, MN-major)``, what the second
-    GEMM loads.  ``I % 128 == 0``.  On the H100/H200, where the GEMM takes its 128x256 tile (about
-    one real M tile per expert or more, from ``expected_m`` as for :func:`grouped_gemm_fp8`; with
-    ``expert_counts`` and no ``expected_m`` also at least 64 experts), one kernel
-    computes it, with the GEMM's output rounded to bf16 in registers as the two steps round it in
-    memory: the same codes and scales, bit for bit.  Elsewhere (the CPU, decode sizes, fewer than 64
-    experts with ``expert_counts`` and no ``expected_m``, other GPUs) it is those two steps.  Rows outside
-    the segments (and with ``expert_counts`` padding rows) are unspecified; the fused kernel writes
-    the padding rows of the tiles it visits, the two steps do not.
+    GEMM loads.  ``I % 128 == 0``.  On the H100/H200 one kernel computes it, with the GEMM's output
+    rounded to bf16 in registers as the two steps round it in memory: the same codes and scales, bit
+    for bit.  Its tile is the GEMM's: 128x256 (about one real M tile per expert or more, from
+    ``expected_m`` as for :func:`grouped_gemm_fp8`; with ``expert_counts`` and no ``expected_m``
+    also at least 64 experts), a gate block and its up block; else 128x128, 64 gate and 64 up
+    columns, the cluster pair's two tiles sharing each row's 1x128 group.  Elsewhere (the CPU, other
+    GPUs) it is those two steps.  Rows outside the segments (and with ``expert_counts`` padding
+    rows) are unspecified: which of them each form writes differs.
 
     On the GPU, as for :func:`grouped_gemm_fp8`: ``M_cap % 128 == 0`` (``NotImplementedError``
     otherwise), every segment's length a multiple of 128 (``align(..., alignment=128)``; a segment
@@ -341,7 +300,6 @@ def grouped_gemm_fp8_swiglu(
                  scale_fmt, expected_m)  # fmt: skip
 
 
-@_api
 def silu_mul_quant(
     h: Tensor,
     expert_offsets: Tensor,
@@ -371,7 +329,6 @@ def silu_mul_quant(
     return _call("silu_mul_quant", h, expert_offsets, gate_first, scale_fmt, expert_counts)
 
 
-@_api
 def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     """Weighted un-permute: ``out[t] = bf16(sum_j w[t, j] * y[token_to_row[t, j]])``, f32, j in order.
 
@@ -388,7 +345,6 @@ def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     return _call("finalize", y, topk_weights, token_to_row)
 
 
-@_api
 def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Tensor:
     """lmdeploy-compatible weighted reduce ``out[t] = sum_j weights[t, j] * hidden[t, j]``.
 
@@ -408,7 +364,6 @@ def moe_reduce(hidden: Tensor, weights: Tensor, *, fp32_acc: bool = False) -> Te
     return _call("moe_reduce", hidden, weights, fp32_acc)
 
 
-@_api
 def fused_moe_routed(
     x: Tensor,
     topk_ids: Tensor,
@@ -465,7 +420,6 @@ def fused_moe_routed(
     )  # fmt: skip
 
 
-@_api
 def fused_moe(
     x: Tensor,
     router_logits: Tensor,
@@ -510,7 +464,6 @@ def fused_moe(
     )  # fmt: skip
 
 
-@_api
 def fill_kv_cache_fp8(
     k_states: Tensor,
     v_states: Optional[Tensor],

@@ -155,7 +155,7 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     if score_bias is None:
         return None
     _check_tensor(where, "score_bias", score_bias, _FLOAT_W, (num_experts,), "[num_experts]")
-    _check_bias_values(where, "score_bias", score_bias)
+    V.check_bias_values(where, "score_bias", score_bias)
     return score_bias.float()
 
 
@@ -167,18 +167,6 @@ def _check_block_scales(where: str, name: str, scales: Tensor) -> None:
     bad = ~(torch.isfinite(scales) & (scales > 0))
     if bool(bad.any()):
         _fail(where, f"{name} must be finite and > 0, got {scales[bad][0].item()}")
-
-
-def _check_bias_values(where: str, name: str, bias: Tensor) -> None:
-    """A NaN or +inf selection bias routes every token to one expert with finite outputs; checked
-    once, at construction or load, as the op on the GPU cannot without a host sync per call (-inf,
-    which masks an expert, is allowed)."""
-    if not V.holds_data(bias):
-        return
-    bad = bias.isnan() | (bias == float("inf"))
-    if bool(bad.any()):
-        e = int(bad.nonzero()[0, 0])
-        _fail(where, f"{name} must not be NaN or +inf, got {float(bias[e])} at expert {e}")
 
 
 class FusedMoE(torch.nn.Module):
@@ -382,7 +370,7 @@ class FusedMoE(torch.nn.Module):
             if name in ("w13_scale", "w2_scale"):
                 _check_block_scales("FusedMoE", key, t)
             elif name == "score_bias":
-                _check_bias_values("FusedMoE", key, t)
+                V.check_bias_values("FusedMoE", key, t)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def extra_repr(self) -> str:
@@ -443,6 +431,8 @@ class FusedMoE(torch.nn.Module):
         if w13.dim() != 3 or w13.shape[1] % (2 * _B) or w13.shape[2] % _B:
             _fail(where, f"w13 must be [E_local, 2I, H] with I and H multiples of {_B}, got shape {list(w13.shape)}")
         e_local, two_i, H = (int(d) for d in w13.shape)
+        if 0 in (e_local, two_i, H):  # (the constructor would name its own arguments)
+            _fail(where, f"w13 must have E_local, 2I and H >= 1, got shape {list(w13.shape)}")
         I = two_i // 2
         f32 = (torch.float32,)
         _check_tensor(where, "w13", w13, (_FP8,), (e_local, two_i, H), "[E_local, 2I, H]")
@@ -711,7 +701,7 @@ class FusedMoE(torch.nn.Module):
                 )
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
-            _check_bias_values(where, repr(bias_key), b)
+            V.check_bias_values(where, repr(bias_key), b)
             bias = b.float()
         elif routing_method == "deepseek_v3":
             # Legal (grouped top-k without a bias), but a DeepSeek-V3 checkpoint always has one: a

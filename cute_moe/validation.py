@@ -40,6 +40,7 @@ __all__ = [
     "ROUTING_METHODS",
     "SCALE_FMTS",
     "check_aligned_16",
+    "check_bias_values",
     "check_bool",
     "check_choice",
     "check_divisible",
@@ -51,6 +52,7 @@ __all__ = [
     "check_same_device",
     "check_scale_fmt",
     "check_shape",
+    "check_str",
     "check_tensor",
     "validate_align",
     "validate_fill_kv_cache_fp8",
@@ -95,6 +97,13 @@ def _fail(op: str, msg: str, exc: type[Exception] = ValueError) -> NoReturn:
     raise exc(f"cute_moe.{op}: {msg}")
 
 
+def _type_name(v: Any) -> str:
+    """``int``, ``numpy.bool``: a builtin's bare name, anything else's with its module (numpy 2's
+    bool is called ``bool`` too)."""
+    t = type(v)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
@@ -118,7 +127,7 @@ def check_tensor(op: str, name: str, t: Any, *, optional: bool = False) -> bool:
         return False
     if not isinstance(t, Tensor):
         want = "a torch.Tensor or None" if optional else "a torch.Tensor"
-        _fail(op, f"{name} must be {want}, got {type(t).__name__}", TypeError)
+        _fail(op, f"{name} must be {want}, got {_type_name(t)}", TypeError)
     return True
 
 
@@ -213,7 +222,7 @@ def check_int(
     """TypeError unless ``v`` is an int (not bool); ValueError unless ``min <= v <= max``."""
     # A plain int first: the abstract-class check costs ~0.5 µs per call on a slow host.
     if type(v) is not int and (isinstance(v, bool) or not isinstance(v, numbers.Integral)):
-        _fail(op, f"{name} must be an int, got {type(v).__name__}", TypeError)
+        _fail(op, f"{name} must be an int, got {_type_name(v)}", TypeError)
     if min is not None and v < min:
         _fail(op, f"{name} must be >= {min}, got {v}")
     if max is not None and v > max:
@@ -223,17 +232,29 @@ def check_int(
 
 def check_bool(op: str, name: str, v: Any) -> None:
     if not isinstance(v, bool):
-        _fail(op, f"{name} must be a bool, got {type(v).__name__}", TypeError)
+        _fail(op, f"{name} must be a bool, got {_type_name(v)}", TypeError)
+
+
+def check_bias_values(op: str, name: str, bias: Tensor) -> None:
+    """A NaN or +inf selection bias wins every comparison: every token would go to that expert, with
+    finite weights (-inf masks an expert).  Reads the data (a host sync on CUDA): the CPU ops,
+    ``CUTE_MOE_DEBUG``, and FusedMoE's construction and load call it, never ``validate_*``."""
+    if not holds_data(bias):
+        return
+    bad = bias.isnan() | (bias == float("inf"))
+    if bool(bad.any()):
+        e = int(bad.nonzero()[0, 0])
+        _fail(op, f"{name} must not be NaN or +inf, got {float(bias[e])} at expert {e}")
 
 
 def check_str(op: str, name: str, v: Any) -> None:
     if not isinstance(v, str):
-        _fail(op, f"{name} must be a str, got {type(v).__name__}", TypeError)
+        _fail(op, f"{name} must be a str, got {_type_name(v)}", TypeError)
 
 
 def check_float(op: str, name: str, v: Any) -> None:
     if type(v) is not float and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
-        _fail(op, f"{name} must be a float, got {type(v).__name__}", TypeError)
+        _fail(op, f"{name} must be a float, got {_type_name(v)}", TypeError)
 
 
 def check_choice(op: str, name: str, v: Any, choices: Sequence[Any]) -> None:

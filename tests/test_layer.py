@@ -210,9 +210,10 @@ def test_load_state_dict_checks_values_as_the_constructors_do() -> None:
     biased = FusedMoE.from_bf16(*_bf16_weights(g), top_k=TOP_K, routing_method="deepseek_v3",
                                 score_bias=torch.zeros(E))  # fmt: skip
     sd = biased.state_dict()
-    bad = dict(sd, score_bias=torch.zeros(E).index_fill_(0, torch.tensor([2]), float("inf")))
-    with pytest.raises(ValueError, match=r"FusedMoE: state_dict\['score_bias'\] must not be NaN or \+inf, got inf at expert 2"):
-        biased.load_state_dict(bad)
+    for fill, shown in ((float("inf"), "inf"), (float("nan"), "nan")):
+        bad = dict(sd, score_bias=torch.zeros(E).index_fill_(0, torch.tensor([2]), fill))
+        with pytest.raises(ValueError, match=rf"FusedMoE: state_dict\['score_bias'\] must not be NaN or \+inf, got {shown} at expert 2"):
+            biased.load_state_dict(bad)
     biased.load_state_dict(sd)
 
 
@@ -556,6 +557,10 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"w2 must have shape \[E_local, H, I\] = \[8, 256, 128\], got \[4, 256, 128\]"),
         ("w13 2I", lambda: FusedMoE.from_fp8(q13[:, :64], s13, q2, s2, top_k=2), ValueError,
          r"w13 must be \[E_local, 2I, H\] with I and H multiples of 128"),
+        ("no experts", lambda: FusedMoE.from_fp8(q13[:0], s13[:0], q2[:0], s2[:0], top_k=2), ValueError,
+         r"w13 must have E_local, 2I and H >= 1, got shape \[0, 256, 256\]"),
+        ("I = 0", lambda: FusedMoE.from_fp8(q13[:, :0], s13[:, :0], q2[:, :, :0], s2[:, :, :0], top_k=2), ValueError,
+         r"w13 must have E_local, 2I and H >= 1, got shape \[8, 0, 256\]"),
         ("bias shape", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=torch.zeros(4), **DSV3),
          ValueError, r"score_bias must have shape \[num_experts\] = \[8\]"),
         # from_bf16

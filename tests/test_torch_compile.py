@@ -103,3 +103,17 @@ def test_fused_moe_and_kv_cache_compile(compile_counter) -> None:
         assert torch.equal(out, ref)
         assert torch.equal(kc.view(torch.uint8), kc_ref.view(torch.uint8)) and torch.equal(ksc, ksc_ref)
     _assert_one_graph(compile_counter)
+
+
+def test_symbolic_scalars_reach_the_op_outside_dynamo() -> None:
+    """make_fx's symbolic tracing hands the functional API SymInts / SymFloats; its type checks let
+    them through to the op (they are not Python ints or floats, and not wrong either)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def fn(logits):
+        return cute_moe.route(logits, 2, "softmax", routed_scaling_factor=logits.shape[0] * 0.5)
+
+    logits = torch.randn(4, 16)
+    traced = make_fx(fn, tracing_mode="symbolic")(logits)
+    for got, want in zip(traced(logits), fn(logits)):
+        assert torch.equal(got, want)

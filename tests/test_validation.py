@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,7 +119,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"x": None}, TypeError, r"x must be a torch.Tensor, got NoneType"),
     ],
     "route": [
-        (lambda g: {"top_k": torch.tensor(2.7)}, TypeError, r"top_k must be an int, got Tensor"),
+        (lambda g: {"top_k": torch.tensor(2.7)}, TypeError, r"top_k must be an int, got torch\.Tensor"),
         (lambda g: {"routed_scaling_factor": True}, TypeError, r"routed_scaling_factor must be a float, got bool"),
         (lambda g: {"method": 3}, TypeError, r"method must be a str, got int"),
         (lambda g: {"router_logits": None}, TypeError, r"router_logits must be a torch.Tensor, got NoneType"),
@@ -305,6 +306,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
     ],
     "silu_mul_quant": [
         (lambda g: {"gate_first": None}, TypeError, r"gate_first must be a bool, got NoneType"),
+        (lambda g: {"gate_first": np.bool_(True)}, TypeError, r"gate_first must be a bool, got numpy\.bool"),
         (lambda g: {"h": g["h"].half()}, TypeError, r"h must be bfloat16, got torch\.float16"),
         (lambda g: {"h": g["h"][:, :200]}, ValueError, r"h\.shape\[1\] = 2I must have I divisible by 128"),
         (lambda g: {"expert_offsets": g["expert_offsets"].float()}, TypeError, r"expert_offsets must be int32"),
@@ -383,7 +385,12 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (
             lambda g: {"routing_method": "deepseek_v3", "score_bias": torch.full((8,), torch.nan)},
             ValueError,
-            r"score_bias must not be NaN or \+inf",
+            r"score_bias must not be NaN or \+inf, got nan at expert 0",
+        ),
+        (
+            lambda g: {"routing_method": "deepseek_v3", "score_bias": torch.zeros(8).index_fill(0, torch.tensor([3]), torch.inf)},
+            ValueError,
+            r"score_bias must not be NaN or \+inf, got inf at expert 3",
         ),
         (lambda g: {"num_experts": 16}, ValueError, r"num_experts must equal router_logits\.shape\[1\] = 8"),
         (
