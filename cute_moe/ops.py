@@ -31,6 +31,7 @@ import functools
 import importlib
 import inspect
 import os
+import re
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -202,9 +203,21 @@ def call(name: str, *args: Any) -> Any:
 def dispatch(name: str, *args: Any) -> Any:
     """``torch.ops.cute_moe.<name>(*args)`` after ``_Op.check_arg_types`` (not while compiling,
     where the values are traced: the op's validation checks them there)."""
-    if not torch.compiler.is_compiling():
-        _OPS[name].check_arg_types(args)
-    return getattr(torch.ops.cute_moe, name)(*args)
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.cute_moe, name)(*args)
+    op = _OPS[name]
+    op.check_arg_types(args)
+    try:
+        return getattr(torch.ops.cute_moe, name)(*args)
+    except RuntimeError as e:
+        # What the type check lets through and the schema refuses: a Python int past int64 (or past
+        # a double's range, for a float), which torch reports as "found type 'int'".
+        refused = re.match(rf"cute_moe::{name}\(\) Expected a value of type '(\w+)' for argument '(\w+)'", str(e))
+        if refused is None:
+            raise
+        kind, arg = refused.groups()
+        value = dict(zip((a[0] for a in op.arg_types), args)).get(arg)
+        raise ValueError(f"cute_moe.{name}: {arg} must fit in a 64-bit {kind}, got {value}") from e
 
 
 _OPS: dict[str, _Op] = {}  # name -> op, filled as the ops are defined

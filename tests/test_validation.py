@@ -115,12 +115,14 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"x": [[1.0] * K]}, TypeError, r"x must be a torch.Tensor, got list"),
         # the dispatcher would take these as 1 / False without a word
         (lambda g: {"group_size": True}, TypeError, r"group_size must be an int, got bool"),
+        (lambda g: {"group_size": 2**63}, ValueError, r"group_size must fit in a 64-bit int, got 9223372036854775808"),
         (lambda g: {"column_major_scales": None}, TypeError, r"column_major_scales must be a bool, got NoneType"),
         (lambda g: {"x": None}, TypeError, r"x must be a torch.Tensor, got NoneType"),
     ],
     "route": [
         (lambda g: {"top_k": torch.tensor(2.7)}, TypeError, r"top_k must be an int, got torch\.Tensor"),
         (lambda g: {"routed_scaling_factor": True}, TypeError, r"routed_scaling_factor must be a float, got bool"),
+        (lambda g: {"routed_scaling_factor": 10**400}, ValueError, r"routed_scaling_factor must fit in a 64-bit float"),
         (lambda g: {"method": 3}, TypeError, r"method must be a str, got int"),
         (lambda g: {"router_logits": None}, TypeError, r"router_logits must be a torch.Tensor, got NoneType"),
         (
