@@ -212,7 +212,8 @@ def test_load_state_dict_checks_values_as_the_constructors_do() -> None:
     sd = biased.state_dict()
     for fill, shown in ((float("inf"), "inf"), (float("nan"), "nan")):
         bad = dict(sd, score_bias=torch.zeros(E).index_fill_(0, torch.tensor([2]), fill))
-        with pytest.raises(ValueError, match=rf"FusedMoE: state_dict\['score_bias'\] must not be NaN or \+inf, got {shown} at expert 2"):
+        msg = rf"FusedMoE: state_dict\['score_bias'\] must not be NaN or \+inf, got {shown} at expert 2"
+        with pytest.raises(ValueError, match=msg):
             biased.load_state_dict(bad)
     biased.load_state_dict(sd)
 
@@ -605,7 +606,8 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          ValueError, r"score_bias must not be NaN or \+inf, got nan at expert 1"),
         ("hf bias NaN", lambda: FusedMoE.from_hf_fp8(
             {**sd, f"{PREFIX}gate.e_score_correction_bias": nan_at(torch.zeros(E), 5)}, PREFIX, E, TOP_K, **DSV3),
-         ValueError, r"'model\.layers\.3\.mlp\.gate\.e_score_correction_bias' must not be NaN or \+inf, got nan at expert 5"),
+         ValueError,
+         r"'model\.layers\.3\.mlp\.gate\.e_score_correction_bias' must not be NaN or \+inf, got nan at expert 5"),
         ("scale NaN", lambda: FusedMoE.from_fp8(q13, nan_at(s13.clone(), 0), q2, s2, top_k=2), ValueError,
          r"w13_scale must be finite and > 0, got nan"),
         ("scale NaN, Parameter subclass", lambda: FusedMoE.from_fp8(

@@ -99,6 +99,11 @@ def _shifted_kv_caches(g: dict, shift: int) -> dict:
     return {"k_cache": buf[:nb], "v_cache": buf[shift:]}
 
 
+def _bias(n: int, e: int, value: float) -> torch.Tensor:
+    """A zero score bias of n experts with ``value`` at expert e."""
+    return torch.zeros(n).index_fill(0, torch.tensor([e]), value)
+
+
 OPS = list(cute_moe.ops.__all__)
 
 # op -> [(overrides built from the good kwargs g, exception, message regex)]
@@ -126,12 +131,12 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         (lambda g: {"method": 3}, TypeError, r"method must be a str, got int"),
         (lambda g: {"router_logits": None}, TypeError, r"router_logits must be a torch.Tensor, got NoneType"),
         (
-            lambda g: {"method": "deepseek_v3", "score_bias": torch.zeros(16).index_fill(0, torch.tensor([5]), torch.nan)},
+            lambda g: {"method": "deepseek_v3", "score_bias": _bias(16, 5, torch.nan)},
             ValueError,
             r"score_bias must not be NaN or \+inf, got nan at expert 5",
         ),
         (
-            lambda g: {"method": "deepseek_v3", "score_bias": torch.zeros(16).index_fill(0, torch.tensor([9]), torch.inf)},
+            lambda g: {"method": "deepseek_v3", "score_bias": _bias(16, 9, torch.inf)},
             ValueError,
             r"score_bias must not be NaN or \+inf, got inf at expert 9",
         ),
@@ -355,7 +360,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             TypeError,
             r"topk_weights must be one of bfloat16, float16, float32, got torch\.float64",
         ),
-        (lambda g: {"w13": g["w13"][:, :, :128]}, ValueError, r"x.shape\[1\] \(H = 256\) must equal w13.shape\[2\] \(H = 128\)"),
+        (
+            lambda g: {"w13": g["w13"][:, :, :128]},
+            ValueError,
+            r"x.shape\[1\] \(H = 256\) must equal w13.shape\[2\] \(H = 128\)",
+        ),
         (lambda g: {"w2": _r(2, H, 2 * I, dtype=FP8)}, ValueError, r"w2 must have K = 128"),
         (lambda g: {"w2": _r(3, H, I, dtype=FP8)}, ValueError, r"w2 must have E = 2"),
         (
@@ -390,7 +399,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             r"score_bias must not be NaN or \+inf, got nan at expert 0",
         ),
         (
-            lambda g: {"routing_method": "deepseek_v3", "score_bias": torch.zeros(8).index_fill(0, torch.tensor([3]), torch.inf)},
+            lambda g: {"routing_method": "deepseek_v3", "score_bias": _bias(8, 3, torch.inf)},
             ValueError,
             r"score_bias must not be NaN or \+inf, got inf at expert 3",
         ),
