@@ -811,7 +811,13 @@ class _TensorSource:
             _fail(where, f"loading .safetensors files needs the safetensors package ({exc})", ImportError)
         self._safe_open = safe_open
         for f in files:
-            with safe_open(f, framework="pt") as h:
+            try:
+                handle = safe_open(f, framework="pt")
+            except FileNotFoundError:
+                _fail(where, f"checkpoint file {f!r} does not exist", FileNotFoundError)
+            except Exception as exc:  # safetensors' own error type (a header it cannot parse, ...)
+                _fail(where, f"checkpoint file {f!r} is not a readable .safetensors file: {exc}")
+            with handle as h:
                 for k in h.keys():
                     if k in self._index:
                         self._files[k] = [self._index[k]]

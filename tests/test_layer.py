@@ -369,6 +369,20 @@ def test_from_hf_fp8_index_path_missing_shard_and_duplicate_keys(tmp_path) -> No
     _assert_same_weights(layer, FusedMoE.from_hf_fp8(tmp_path, PREFIX, E, TOP_K))
 
 
+def test_from_hf_fp8_names_a_missing_or_unreadable_file(tmp_path) -> None:
+    """A list naming a file that is not there, or one that is not safetensors: the file's path in
+    the message, not safetensors' bare error."""
+    pytest.importorskip("safetensors")
+    missing, corrupt = tmp_path / "missing.safetensors", tmp_path / "corrupt.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not a header")
+    gone = rf"FusedMoE\.from_hf_fp8: checkpoint file '{re.escape(str(missing))}' does not exist"
+    with pytest.raises(FileNotFoundError, match=gone):
+        FusedMoE.from_hf_fp8([str(missing)], PREFIX, E, TOP_K)
+    unreadable = rf"checkpoint file '{re.escape(str(corrupt))}' is not a readable \.safetensors file"
+    with pytest.raises(ValueError, match=unreadable):
+        FusedMoE.from_hf_fp8(corrupt, PREFIX, E, TOP_K)
+
+
 def test_minus_inf_score_bias_masks_an_expert() -> None:
     """-inf in the selection bias (an expert never chosen) is allowed, as the op allows it."""
     bias = torch.zeros(E)
