@@ -79,13 +79,15 @@ def test_fused_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
 
 
 # The 128-wide variant (a tile holds 64 gate and 64 up columns, the pair's two tiles one 1x128 group,
-# whose amax the two CTAs exchange): (experts, rows per expert, I, K).  Decode sizes, where the rule
-# takes it with expert counts (DeepSeek-V3's w13 on 8 experts; K = 2048 below half a real tile per
-# expert, where the plain GEMM does not store behind), and experts of several full tiles (every
-# row of a tile live: the exchange of dense tiles), I / 128 odd (3 pairs of N tiles), empty experts.
+# whose amax the two CTAs exchange): (experts, rows per expert, I, K).  Decode sizes (DeepSeek-V3's
+# w13 on 8 experts; K = 2048 below half a real tile per expert, where the plain GEMM does not store
+# behind), K = 2048 from half a real tile per expert (where the plain GEMM stores behind: two
+# kernels until session 30), experts of several full tiles (every row of a tile live: the exchange
+# of dense tiles), I / 128 odd (3 pairs of N tiles), empty experts.
 SPLIT_CASES = {
     "E8_rows3_I2048_K7168_dsv3_decode": (8, 3, 2048, 7168),
     "E64_rows20_I256_K2048_decode": (64, 20, 256, 2048),
+    "E16_rows200_I256_K2048_store_behind": (16, 200, 256, 2048),
     "E16_rows300_I384_K4096_dense": (16, 300, 384, 4096),
     "E32_rows90_I128_K1024_empty": (32, 90, 128, 1024),
 }
@@ -97,7 +99,8 @@ SPLIT_CASES = {
 @pytest.mark.parametrize("case", list(SPLIT_CASES))
 def test_pair_split_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
     """The 128-wide kernel's codes and scales equal the two kernels' bit for bit on every real row,
-    every row of an expert-count-free launch included; with expert counts where the rule takes it."""
+    every row of an expert-count-free launch included.  With expert counts the rule takes it in
+    every case, and the op (no width forced) gives the same bits."""
     from cute_moe.kernels import grouped_gemm_sm90 as g90
 
     E, rows, inter, K = SPLIT_CASES[case]
@@ -109,8 +112,10 @@ def test_pair_split_equals_the_two_kernels(case, gate_first, scale_fmt, counted)
     w13, w13_scale = expert_weights(E, 2 * inter, K, g)
     a, a_scale = activations(routing, K, g)
     cnt = torch.tensor(counts, dtype=torch.int32, device="cuda") if counted else None
-    if counted and "decode" in case:
+    if counted:
         assert gs.sm90_swiglu_tile(a.shape[0], E, K, True) == gs.TILE_N, "the rule must take the 128-wide kernel"
+    if case.endswith("_store_behind"):
+        assert gs.sm90_launch_config(a.shape[0], E, K, counted)[1], "the plain GEMM must store behind here"
     op = torch.ops.cute_moe
     poison_pools(max(256 << 20, a.shape[0] * inter * 8))
     q, s = g90.grouped_gemm_fp8_swiglu_cuda(a, a_scale, w13, w13_scale, routing.offsets, cnt, gate_first, scale_fmt,
@@ -124,6 +129,9 @@ def test_pair_split_equals_the_two_kernels(case, gate_first, scale_fmt, counted)
     assert torch.equal(sr, s2r), f"{(sr != s2r).sum().item()} scales differ"
     assert torch.equal(qr.view(torch.uint8), q2r.view(torch.uint8)), \
         f"{(qr.view(torch.uint8) != q2r.view(torch.uint8)).sum().item()} codes differ"
+    if counted:
+        q3, s3 = op.grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, routing.offsets, cnt, gate_first, scale_fmt)
+        assert torch.equal(s3[live], sr) and torch.equal(q3[live].view(torch.uint8), qr.view(torch.uint8))
 
 
 def test_pair_split_misaligned_segments_give_nan_codes():
