@@ -2,11 +2,15 @@
 (``grouped_gemm_fp8`` then ``silu_mul_quant``) on decode routings, with expert counts and
 ``fused_moe``'s ``expected_m`` (``T * 8 // E``), as the layer runs them:
 
-    python bench/ab_swiglu.py [--tokens 1,4,16,...] [--model dsv3|qwen3 ...] [--tile 128|256]
-                              [--rounds N] [--reps N]
+    python bench/ab_swiglu.py [--tokens 1,4,16,...] [--model dsv3|qwen3|e16 ...] [--tile 128|256]
+                              [--no-expected-m] [--rounds N] [--reps N]
 
 ``--tile`` forces the one kernel's width (``grouped_gemm_sm90.grouped_gemm_fp8_swiglu_cuda``'s
-``tile_n``) where the op's rule would run two kernels or the other width.
+``tile_n``) where the op's rule would run two kernels or the other width.  ``--no-expected-m``
+calls both forms without ``expected_m``, as an expert-parallel slice called without the global
+expert count is (``fused_moe_routed`` without ``num_experts``): under 64 experts the rules then
+keep the 128-wide tile at any size, e.g. ``--model e16`` (Qwen3-30B-A3B's w13 on 16 experts, an
+EP8 slice's count) at prefill, where the 128-wide tiles are dense.
 
 Per shape, rounds alternate the forms (clock drift under the power cap hits them alike): the two
 kernels, the op (its rule's choice: ``sm90_swiglu_tile``'s width, or the two kernels), and with
@@ -33,7 +37,7 @@ from ab_grouped_gemm import defined_rows  # noqa: E402
 from bench_grouped_gemm import DSV3_TOPK, Shape, make_problem  # noqa: E402
 
 # (experts, 2I, H): the w13 GEMM of each model
-MODELS = {"dsv3": (256, 4096, 7168), "qwen3": (128, 1536, 2048)}
+MODELS = {"dsv3": (256, 4096, 7168), "qwen3": (128, 1536, 2048), "e16": (16, 1536, 2048)}
 
 
 def main() -> None:
@@ -41,6 +45,7 @@ def main() -> None:
     parser.add_argument("--tokens", default="1,4,16,64,128,256,512")
     parser.add_argument("--model", action="append", choices=sorted(MODELS), default=None)
     parser.add_argument("--tile", type=int, choices=(gs.TILE_N, gs.WIDE_TILE_N), default=None)
+    parser.add_argument("--no-expected-m", action="store_true", help="call both forms without expected_m")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--reps", type=int, default=20)
     args = parser.parse_args()
@@ -52,7 +57,7 @@ def main() -> None:
         E, N, K = MODELS[model]
         for t in (int(x) for x in args.tokens.split(",")):
             p = make_problem(Shape(f"{model} w13 T={t}", "decode", E, N, K, tokens=t))
-            cnt, expected_m = p.expert_counts, t * DSV3_TOPK // E
+            cnt, expected_m = p.expert_counts, None if args.no_expected_m else t * DSV3_TOPK // E
             w13 = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, cnt)
 
             def two():
