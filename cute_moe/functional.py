@@ -98,9 +98,9 @@ def route(
         method: ``"softmax"``, ``"renormalize"``, ``"deepseek_v3"``, ``"llama4"`` or ``"sigmoid_renorm"``.
         score_bias: ``[E]`` f32 correction bias, ``deepseek_v3`` only.  Finite, or ``-inf`` to mask an
             expert (each token still gets ``top_k`` experts: masked ones where too few others
-            remain).  A NaN or ``+inf`` entry,
-            which would draw every token to its expert, raises ``ValueError`` on the CPU, and on the
-            GPU under ``CUTE_MOE_DEBUG=1`` (a host sync; unchecked otherwise).
+            remain).  A NaN or ``+inf`` entry, which would draw every token to its expert, raises
+            ``ValueError`` on the CPU, and on the GPU under ``CUTE_MOE_DEBUG=1`` (a host sync;
+            unchecked otherwise).
         n_group, topk_group: grouped top-k (``deepseek_v3`` only; 1 otherwise). ``E % n_group == 0``,
             ``topk_group <= n_group``, ``top_k <= topk_group * E / n_group``.
         routed_scaling_factor: multiplies the final weights (every method); finite, > 0 and within

@@ -231,9 +231,10 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     (decode sizes, and K <= 2048 under one real M tile per expert): a tile holds 64 gate columns and
     their 64 up columns, and the pair's two tiles one 1x128 output group, whose amax the two CTAs
     exchange.  The fused kernel has no store-behind epilogue: it stores FP8 codes from registers.
-    Where the plain GEMM would store behind (K <= 2048 from half a real M tile per expert) it is
-    still the quicker (session 30, H100: Qwen3-30B-A3B's w13 at T = 1024 / 1536 -12.4 / -10.2%
-    against the two kernels).  None where the 128-wide GEMM pairs M tiles (the pair's CTAs hold
+    Where the plain GEMM would store behind (K <= 2048 from half a real M tile per expert) it was
+    the quicker where measured (session 30, H100: Qwen3-30B-A3B's w13 at T = 1024 / 1536 -12.4 /
+    -10.2% against the two kernels; the dense end, slices under 64 experts without ``expected_m``
+    at prefill, is not measured yet).  None where the 128-wide GEMM pairs M tiles (the pair's CTAs hold
     different rows): a guard, as the rules above take the 256-wide tile wherever they pair M tiles."""
     along_m, _, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
     if tile_n == WIDE_TILE_N:
