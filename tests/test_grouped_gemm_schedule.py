@@ -262,8 +262,9 @@ def test_launch_errors_name_the_calling_op():
 def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
     """DeepSeek-V3's w13 at prefill takes the 256-wide kernel; at decode sizes, and on expert-parallel
     slices under 64 experts (their M_cap counts every routed row), the 128-wide one, where the GEMM
-    pairs N tiles, with or without the store-behind epilogue (the fused kernel has none); where the
-    128-wide GEMM pairs M tiles, two kernels."""
+    pairs N tiles, with or without the store-behind epilogue (the fused kernel has none) up to two
+    real tiles per expert; two kernels where the 128-wide GEMM stores behind dense tiles, or pairs
+    M tiles."""
     dsv3_t8192, dsv3_t1, ep8_t8192 = 8192 * 8 + 256 * 127, 1 * 8 + 8 * 127, 8192 * 8 + 32 * 127  # align's M_cap
     assert gs.sm90_swiglu_tile(dsv3_t8192, 256, 7168, True) == gs.WIDE_TILE_N
     assert gs.sm90_swiglu_tile(dsv3_t1, 256, 7168, True) == gs.TILE_N
@@ -281,15 +282,26 @@ def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
     assert gs.sm90_swiglu_tile(m_cap(512, 128), 128, 2048, True) == gs.TILE_N
     assert gs.sm90_launch_config(m_cap(1024, 128), 128, 2048, True)[1]  # the plain GEMM stores behind
     assert gs.sm90_swiglu_tile(m_cap(1024, 128), 128, 2048, True) == gs.TILE_N
-    # The rules pair M tiles only 256 wide, so the fused kernel runs at every shape; its None (two
-    # kernels) guards a 128-wide launch paired along M.
+    # From two real tiles per expert there it is two kernels (session 31: 16 experts without
+    # expected_m at 1 / 4 / 16 tiles, -0.8 / +4.9 / +4.0% for the one kernel): only under 64 experts
+    # without expected_m, which with it take the 256-wide kernel.
+    assert gs.sm90_swiglu_tile(m_cap(256, 16), 16, 2048, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 2048, True) is None
+    assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 2048, True, 1024 * 8 // 16) == gs.WIDE_TILE_N
+    assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 4096, True) == gs.TILE_N  # no store-behind at K = 4096
+    # Everywhere else the kernel of the GEMM's width: the rules pair M tiles only 256 wide, so the
+    # other None (two kernels), for a 128-wide launch paired along M, is a guard.
     for e in (4, 8, 16, 32, 64, 128, 256, 384):
         for k in (1024, 2048, 4096, 7168):
             for t in (1, 16, 128, 512, 1024, 2048, 4096, 8192, 16384):
                 for has_counts, expected_m in ((True, None), (True, t * 8 // e), (False, None)):
                     cap = m_cap(t, e) if has_counts else max(1, t * 8 // e) * e
-                    width = gs.sm90_launch_config(cap, e, k, has_counts, expected_m=expected_m)[2]
-                    assert gs.sm90_swiglu_tile(cap, e, k, has_counts, expected_m) == width, (e, k, t, has_counts)
+                    along_m, behind, width = gs.sm90_launch_config(cap, e, k, has_counts, expected_m=expected_m)
+                    assert not along_m or width == gs.WIDE_TILE_N, (e, k, t, has_counts)
+                    dense = width == gs.TILE_N and behind and gs.real_tiles_per_expert(cap, e, expected_m) >= 2
+                    assert not dense or (e < 64 and expected_m is None and has_counts), (e, k, t, has_counts)
+                    want = None if dense else width
+                    assert gs.sm90_swiglu_tile(cap, e, k, has_counts, expected_m) == want, (e, k, t, has_counts)
 
 
 def test_expected_m_replaces_the_estimate():

@@ -49,6 +49,9 @@ WIDE_STORE_BEHIND_TILES = 1.5  # sm90: real M tiles per expert from which the 25
 SPARSE_ROWS = TILE_M // 2
 # sm90, with expert counts: real M tiles per expert below which no tile stores behind (decode)
 DECODE_TILES = SPARSE_ROWS / TILE_M
+# sm90: real M tiles per expert from which grouped_gemm_fp8_swiglu runs two kernels where the
+# 128-wide GEMM stores behind (sm90_swiglu_tile)
+SWIGLU_TWO_KERNEL_TILES = 2
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1, tile_n: int = TILE_N) -> int:
@@ -231,15 +234,22 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     (decode sizes, and K <= 2048 under one real M tile per expert): a tile holds 64 gate columns and
     their 64 up columns, and the pair's two tiles one 1x128 output group, whose amax the two CTAs
     exchange.  The fused kernel has no store-behind epilogue: it stores FP8 codes from registers.
-    Where the plain GEMM would store behind (K <= 2048 from half a real M tile per expert) it was
-    the quicker where measured (session 30, H100: Qwen3-30B-A3B's w13 at T = 1024 / 1536 -12.4 /
-    -10.2% against the two kernels; the dense end, slices under 64 experts without ``expected_m``
-    at prefill, is not measured yet).  None where the 128-wide GEMM pairs M tiles (the pair's CTAs hold
-    different rows): a guard, as the rules above take the 256-wide tile wherever they pair M tiles."""
-    along_m, _, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
+    Where the plain GEMM stores behind (K <= 2048 from half a real M tile per expert) the fused
+    kernel is the quicker up to about a real tile per expert and the slower past it (H100, against
+    the two kernels: Qwen3-30B-A3B's w13 at T = 1024 / 1536, half / three quarters of a tile,
+    -12.4 / -10.2%, session 30; 16 experts without ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 /
+    +4.0%, session 31), so from ``SWIGLU_TWO_KERNEL_TILES`` there it is two kernels.  128-wide tiles
+    that dense occur only under 64 experts without ``expected_m``, where M_cap's estimate overcounts
+    an expert-parallel slice by its factor: such a slice then runs two kernels where one would be
+    the quicker, as before session 30; ``expected_m`` (``fused_moe_routed``'s ``num_experts``)
+    avoids it.  None also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different
+    rows): a guard, as the rules above take the 256-wide tile wherever they pair M tiles."""
+    along_m, store_behind, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
     if tile_n == WIDE_TILE_N:
         return WIDE_TILE_N
-    return None if along_m else TILE_N
+    if along_m or (store_behind and real_tiles_per_expert(m_cap, num_experts, expected_m) >= SWIGLU_TWO_KERNEL_TILES):
+        return None
+    return TILE_N
 
 
 def cluster_along_m(m_cap: int, num_experts: int, k: int, wide: bool = False, has_counts: bool = True,
