@@ -6,8 +6,10 @@ one real M tile per expert or more, from ``expected_m`` where given; without it,
 also at least 64 experts): the tile's halves hold a gate block and its up block.  128 wide where
 the GEMM's 128-wide tile pairs N tiles (decode sizes; K <= 2048 under one real M tile per expert):
 a tile holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x128 group.
-Everywhere else (sm_100a; on sm_90a a 128-wide launch paired along M, which the rules never
-choose) ``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s.  The results are the same bits.
+Everywhere else ``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s: sm_100a; on sm_90a
+where the 128-wide GEMM stores behind two or more real M tiles per expert (K <= 2048, under 64
+experts without ``expected_m``), which it does quicker than the fused kernel's register stores, and
+a 128-wide launch paired along M, which the rules never choose.  The results are the same bits.
 """
 from __future__ import annotations
 
