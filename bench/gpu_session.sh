@@ -10,6 +10,6 @@ tests="${1:-tests}"; shift || true
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 python3 -c "import torch, cutlass; print('torch', torch.__version__, 'cutlass-dsl', cutlass.__version__ if hasattr(cutlass, '__version__') else '?')"
 # Stops after the test that ends past the budget; $OUT/left.txt lists what a next call runs with
-# --ids (bench/gpu_suite.py).
+# --ids (bench/gpu_suite.py), once copied from the returned files into the repository root.
 python3 bench/gpu_suite.py --budget-s "${SUITE_BUDGET_S:-420}" $tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -25
 for b in "$@"; do python3 "$b" 2>&1 | tee "$OUT/$(basename "$b" .py).log"; done

@@ -288,8 +288,10 @@ def grouped_gemm_fp8_swiglu(
     for bit.  Its tile is the GEMM's: 128x256 (about one real M tile per expert or more, from
     ``expected_m`` as for :func:`grouped_gemm_fp8`; with ``expert_counts`` and no ``expected_m``
     also at least 64 experts), a gate block and its up block; else 128x128, 64 gate and 64 up
-    columns, the cluster pair's two tiles sharing each row's 1x128 group.  Elsewhere (the CPU, other
-    GPUs) it is those two steps.  Rows outside the segments (and with ``expert_counts`` padding
+    columns, the cluster pair's two tiles sharing each row's 1x128 group.  It is those two steps
+    where the 128x128 GEMM would store dense tiles behind (K <= 2048, under 64 experts without
+    ``expected_m``, two or more M tiles of rows per expert by M_cap's estimate: the two steps were
+    the quicker there), and elsewhere (the CPU, other GPUs).  Rows outside the segments (and with ``expert_counts`` padding
     rows) are unspecified: which of them each form writes differs.
 
     On the GPU, as for :func:`grouped_gemm_fp8`: ``M_cap % 128 == 0`` (``NotImplementedError``

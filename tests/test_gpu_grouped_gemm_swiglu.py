@@ -82,8 +82,9 @@ def test_fused_equals_the_two_kernels(case, gate_first, scale_fmt, counted):
 # whose amax the two CTAs exchange): (experts, rows per expert, I, K).  Decode sizes (DeepSeek-V3's
 # w13 on 8 experts; K = 2048 below half a real tile per expert, where the plain GEMM does not store
 # behind), K = 2048 from half a real tile per expert (where the plain GEMM stores behind: the one
-# kernel there below two real tiles per expert since session 31, two kernels before session 30), experts of several full tiles (every row of a tile live: the exchange
-# of dense tiles), I / 128 odd (3 pairs of N tiles), empty experts.
+# kernel there under two estimated tiles per expert since session 31, two kernels before session
+# 30), experts of several full tiles (every row of a tile live: the exchange of dense tiles),
+# I / 128 odd (3 pairs of N tiles), empty experts.
 SPLIT_CASES = {
     "E8_rows3_I2048_K7168_dsv3_decode": (8, 3, 2048, 7168),
     "E64_rows20_I256_K2048_decode": (64, 20, 256, 2048),

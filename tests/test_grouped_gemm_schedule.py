@@ -282,13 +282,21 @@ def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
     assert gs.sm90_swiglu_tile(m_cap(512, 128), 128, 2048, True) == gs.TILE_N
     assert gs.sm90_launch_config(m_cap(1024, 128), 128, 2048, True)[1]  # the plain GEMM stores behind
     assert gs.sm90_swiglu_tile(m_cap(1024, 128), 128, 2048, True) == gs.TILE_N
-    # From two real tiles per expert there it is two kernels (session 31: 16 experts without
-    # expected_m at 1 / 4 / 16 tiles, -0.8 / +4.9 / +4.0% for the one kernel): only under 64 experts
-    # without expected_m, which with it take the 256-wide kernel.
+    # From SWIGLU_TWO_KERNEL_TILES = 2 tiles per expert there it is two kernels (session 31: 16
+    # experts without expected_m at 1 / 4 / 16 tiles, -0.8 / +4.9 / +4.0% for the one kernel): only
+    # under 64 experts without expected_m, which with it take the 256-wide kernel.
+    assert gs.SWIGLU_TWO_KERNEL_TILES == 2
+    tiles = {t: gs.real_tiles_per_expert(m_cap(t, 16), 16) for t in (256, 384, 512, 1024)}
+    assert [round(tiles[t], 2) for t in tiles] == [1.01, 1.51, 2.01, 4.01]
     assert gs.sm90_swiglu_tile(m_cap(256, 16), 16, 2048, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(m_cap(384, 16), 16, 2048, True) == gs.TILE_N
+    assert gs.sm90_swiglu_tile(m_cap(512, 16), 16, 2048, True) is None
     assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 2048, True) is None
     assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 2048, True, 1024 * 8 // 16) == gs.WIDE_TILE_N
     assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 4096, True) == gs.TILE_N  # no store-behind at K = 4096
+    # A slice's expected_m replaces the estimate: Qwen3-30B-A3B's EP8 slice (16 of 128 experts) at
+    # T = 1024, half a real tile per expert against an estimated 4, runs the one kernel.
+    assert gs.sm90_swiglu_tile(m_cap(1024, 16), 16, 2048, True, 1024 * 8 // 128) == gs.TILE_N
     # Everywhere else the kernel of the GEMM's width: the rules pair M tiles only 256 wide, so the
     # other None (two kernels), for a 128-wide launch paired along M, is a guard.
     for e in (4, 8, 16, 32, 64, 128, 256, 384):
@@ -298,7 +306,7 @@ def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
                     cap = m_cap(t, e) if has_counts else max(1, t * 8 // e) * e
                     along_m, behind, width = gs.sm90_launch_config(cap, e, k, has_counts, expected_m=expected_m)
                     assert not along_m or width == gs.WIDE_TILE_N, (e, k, t, has_counts)
-                    dense = width == gs.TILE_N and behind and gs.real_tiles_per_expert(cap, e, expected_m) >= 2
+                    dense = width == gs.TILE_N and behind and gs.real_tiles_per_expert(cap, e, expected_m) >= gs.SWIGLU_TWO_KERNEL_TILES
                     assert not dense or (e < 64 and expected_m is None and has_counts), (e, k, t, has_counts)
                     want = None if dense else width
                     assert gs.sm90_swiglu_tile(cap, e, k, has_counts, expected_m) == want, (e, k, t, has_counts)

@@ -234,15 +234,15 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     (decode sizes, and K <= 2048 under one real M tile per expert): a tile holds 64 gate columns and
     their 64 up columns, and the pair's two tiles one 1x128 output group, whose amax the two CTAs
     exchange.  The fused kernel has no store-behind epilogue: it stores FP8 codes from registers.
-    Where the plain GEMM stores behind (K <= 2048 from half a real M tile per expert) the fused
-    kernel is the quicker up to about a real tile per expert and the slower past it (H100, against
-    the two kernels: Qwen3-30B-A3B's w13 at T = 1024 / 1536, half / three quarters of a tile,
-    -12.4 / -10.2%, session 30; 16 experts without ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 /
-    +4.0%, session 31), so from ``SWIGLU_TWO_KERNEL_TILES`` there it is two kernels.  128-wide tiles
-    that dense occur only under 64 experts without ``expected_m``, where M_cap's estimate overcounts
-    an expert-parallel slice by its factor: such a slice then runs two kernels where one would be
-    the quicker, as before session 30; ``expected_m`` (``fused_moe_routed``'s ``num_experts``)
-    avoids it.  None also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different
+    Where the plain GEMM stores behind (K <= 2048 from half a real M tile per expert), against the
+    two kernels on an H100: Qwen3-30B-A3B's w13 (128 experts, ``expected_m``) at T = 1024 / 1536,
+    half / three quarters of a tile per expert, -12.4 / -10.2% (session 30); 16 experts without
+    ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 / +4.0% (session 31).  From
+    ``SWIGLU_TWO_KERNEL_TILES`` (estimated) tiles there it is two kernels: a threshold inside the
+    unmeasured 1 to 4.  128-wide tiles estimated that dense occur only under 64 experts without
+    ``expected_m``, where M_cap's estimate overcounts an expert-parallel slice by its factor: such
+    a slice (``fused_moe_routed`` without ``num_experts``) runs two kernels whatever its real rows,
+    as before session 30 (the one kernel there is not measured); ``expected_m`` avoids it.  None also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different
     rows): a guard, as the rules above take the 256-wide tile wherever they pair M tiles."""
     along_m, store_behind, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
     if tile_n == WIDE_TILE_N:
