@@ -291,8 +291,8 @@ def grouped_gemm_fp8_swiglu(
     columns, the cluster pair's two tiles sharing each row's 1x128 group.  It is those two steps
     where the 128x128 GEMM would store dense tiles behind (K <= 2048, under 64 experts without
     ``expected_m``, two or more M tiles of rows per expert by M_cap's estimate: the two steps were
-    the quicker there), and elsewhere (the CPU, other GPUs).  Rows outside the segments (and with ``expert_counts`` padding
-    rows) are unspecified: which of them each form writes differs.
+    the quicker there), and elsewhere (the CPU, other GPUs).  Rows outside the segments (and with
+    ``expert_counts`` padding rows) are unspecified: which of them each form writes differs.
 
     On the GPU, as for :func:`grouped_gemm_fp8`: ``M_cap % 128 == 0`` (``NotImplementedError``
     otherwise), every segment's length a multiple of 128 (``align(..., alignment=128)``; a segment

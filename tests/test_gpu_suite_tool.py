@@ -98,8 +98,8 @@ def test_budget_stops_after_a_test_and_the_rest_resumes(tmp_path):
     }
     assert (second / "left.txt").read_text() == ""
     for line in ("FAILED test_synthetic.py::test_fails", "ERROR test_synthetic.py::test_setup_error",
-                 "ERROR test_synthetic.py::test_teardown_error", "FAILED test_synthetic.py::test_fails_then_teardown_error",
-                 "0 left (left.txt)"):  # fmt: skip
+                 "ERROR test_synthetic.py::test_teardown_error",
+                 "FAILED test_synthetic.py::test_fails_then_teardown_error", "0 left (left.txt)"):  # fmt: skip
         assert line in r.stdout, (line, r.stdout)
 
 
@@ -114,7 +114,8 @@ def test_the_default_marker_selects_gpu_tests_only(tmp_path):
 
 
 def test_collection_errors_and_unknown_ids_are_failures_and_stay_left(tmp_path):
-    make_suite(tmp_path, test_synthetic=SUITE, test_broken="import a_module_that_does_not_exist\n\ndef test_x():\n    pass\n")
+    broken = "import a_module_that_does_not_exist\n\ndef test_x():\n    pass\n"
+    make_suite(tmp_path, test_synthetic=SUITE, test_broken=broken)
     r = run_tool(tmp_path, tmp_path / "out1", "--marker", "", "test_synthetic.py", "test_broken.py")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "COLLECTION ERROR test_broken.py" in r.stdout

@@ -306,7 +306,8 @@ def test_swiglu_is_one_kernel_where_the_gemm_is_256_wide_or_pairs_n_tiles():
                     cap = m_cap(t, e) if has_counts else max(1, t * 8 // e) * e
                     along_m, behind, width = gs.sm90_launch_config(cap, e, k, has_counts, expected_m=expected_m)
                     assert not along_m or width == gs.WIDE_TILE_N, (e, k, t, has_counts)
-                    dense = width == gs.TILE_N and behind and gs.real_tiles_per_expert(cap, e, expected_m) >= gs.SWIGLU_TWO_KERNEL_TILES
+                    estimate = gs.real_tiles_per_expert(cap, e, expected_m)
+                    dense = width == gs.TILE_N and behind and estimate >= gs.SWIGLU_TWO_KERNEL_TILES
                     assert not dense or (e < 64 and expected_m is None and has_counts), (e, k, t, has_counts)
                     want = None if dense else width
                     assert gs.sm90_swiglu_tile(cap, e, k, has_counts, expected_m) == want, (e, k, t, has_counts)

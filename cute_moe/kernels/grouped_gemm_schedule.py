@@ -49,8 +49,8 @@ WIDE_STORE_BEHIND_TILES = 1.5  # sm90: real M tiles per expert from which the 25
 SPARSE_ROWS = TILE_M // 2
 # sm90, with expert counts: real M tiles per expert below which no tile stores behind (decode)
 DECODE_TILES = SPARSE_ROWS / TILE_M
-# sm90: real M tiles per expert from which grouped_gemm_fp8_swiglu runs two kernels where the
-# 128-wide GEMM stores behind (sm90_swiglu_tile)
+# sm90: M tiles of rows per expert (real_tiles_per_expert: expected_m's, else M_cap's estimate) from
+# which grouped_gemm_fp8_swiglu runs two kernels where the 128-wide GEMM stores behind (sm90_swiglu_tile)
 SWIGLU_TWO_KERNEL_TILES = 2
 
 
@@ -242,8 +242,9 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     unmeasured 1 to 4.  128-wide tiles estimated that dense occur only under 64 experts without
     ``expected_m``, where M_cap's estimate overcounts an expert-parallel slice by its factor: such
     a slice (``fused_moe_routed`` without ``num_experts``) runs two kernels whatever its real rows,
-    as before session 30 (the one kernel there is not measured); ``expected_m`` avoids it.  None also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different
-    rows): a guard, as the rules above take the 256-wide tile wherever they pair M tiles."""
+    as before session 30 (the one kernel there is not measured); ``expected_m`` avoids it.  None
+    also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different rows): a guard, as
+    the rules above take the 256-wide tile wherever they pair M tiles."""
     along_m, store_behind, tile_n = sm90_launch_config(m_cap, num_experts, k, has_counts, expected_m=expected_m)
     if tile_n == WIDE_TILE_N:
         return WIDE_TILE_N

@@ -9,8 +9,8 @@ a tile holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x1
 Everywhere else ``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s: sm_100a; on sm_90a
 where the 128-wide GEMM stores behind two or more M tiles of rows per expert by M_cap's estimate
 (K <= 2048, under 64 experts without ``expected_m``), quicker than the fused kernel's register
-stores where measured, and
-a 128-wide launch paired along M, which the rules never choose.  The results are the same bits.
+stores where measured, and a 128-wide launch paired along M, which the rules never choose.  The
+results are the same bits.
 """
 from __future__ import annotations
 
