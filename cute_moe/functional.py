@@ -290,7 +290,7 @@ def grouped_gemm_fp8_swiglu(
     also at least 64 experts), a gate block and its up block; else 128x128, 64 gate and 64 up
     columns, the cluster pair's two tiles sharing each row's 1x128 group.  It is those two steps
     where the 128x128 GEMM would store dense tiles behind (K <= 2048, under 64 experts without
-    ``expected_m``, two or more M tiles of rows per expert by M_cap's estimate: the two steps were
+    ``expected_m``, from 2.25 M tiles of rows per expert by M_cap's estimate: the two steps were
     the quicker there), and elsewhere (the CPU, other GPUs).  Rows outside the segments (and with
     ``expert_counts`` padding rows) are unspecified: which of them each form writes differs.
 

@@ -50,8 +50,9 @@ SPARSE_ROWS = TILE_M // 2
 # sm90, with expert counts: real M tiles per expert below which no tile stores behind (decode)
 DECODE_TILES = SPARSE_ROWS / TILE_M
 # sm90: M tiles of rows per expert (real_tiles_per_expert: expected_m's, else M_cap's estimate) from
-# which grouped_gemm_fp8_swiglu runs two kernels where the 128-wide GEMM stores behind (sm90_swiglu_tile)
-SWIGLU_TWO_KERNEL_TILES = 2
+# which grouped_gemm_fp8_swiglu runs two kernels where the 128-wide GEMM stores behind (sm90_swiglu_tile):
+# between the H100's crossing points, 2 tiles (one kernel -2%) and 2.5 (+0.8%), session 32
+SWIGLU_TWO_KERNEL_TILES = 2.25
 
 
 def launch_grid(m_cap: int, n: int, num_sms: int, cluster_n: int = 1, tile_n: int = TILE_N) -> int:
@@ -237,9 +238,9 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     Where the plain GEMM stores behind (K <= 2048 from half a real M tile per expert), against the
     two kernels on an H100: Qwen3-30B-A3B's w13 (128 experts, ``expected_m``) at T = 1024 / 1536,
     half / three quarters of a tile per expert, -12.4 / -10.2% (session 30); 16 experts without
-    ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 / +4.0% (session 31).  From
-    ``SWIGLU_TWO_KERNEL_TILES`` (estimated) tiles there it is two kernels: a threshold inside the
-    unmeasured 1 to 4.  128-wide tiles estimated that dense occur only under 64 experts without
+    ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 / +4.0% (session 31), at 1.5 / 2 / 2.5 / 3 / 3.5
+    tiles -6.5 / -2.1 / +0.8 / +1.9 / +2.1% (session 32).  From ``SWIGLU_TWO_KERNEL_TILES`` = 2.25
+    (estimated) tiles there it is two kernels.  128-wide tiles estimated that dense occur only under 64 experts without
     ``expected_m``, where M_cap's estimate overcounts an expert-parallel slice by its factor: such
     a slice (``fused_moe_routed`` without ``num_experts``) runs two kernels whatever its real rows,
     as before session 30 (the one kernel there is not measured); ``expected_m`` avoids it.  None

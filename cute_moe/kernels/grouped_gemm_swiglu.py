@@ -7,7 +7,7 @@ also at least 64 experts): the tile's halves hold a gate block and its up block.
 the GEMM's 128-wide tile pairs N tiles (decode sizes; K <= 2048 under one real M tile per expert):
 a tile holds 64 gate and 64 up columns, and the cluster pair's two tiles one 1x128 group.
 Everywhere else ``grouped_gemm_fp8``'s kernel and then ``silu_mul_quant``'s: sm_100a; on sm_90a
-where the 128-wide GEMM stores behind two or more M tiles of rows per expert by M_cap's estimate
+where the 128-wide GEMM stores behind 2.25 or more M tiles of rows per expert by M_cap's estimate
 (K <= 2048, under 64 experts without ``expected_m``), quicker than the fused kernel's register
 stores where measured, and a 128-wide launch paired along M, which the rules never choose.  The
 results are the same bits.
