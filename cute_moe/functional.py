@@ -241,7 +241,8 @@ def grouped_gemm_fp8(
         b_scale: ``[E, ceil(N/128), K/128]`` f32 (128x128 blocks, HF's ``weight_scale_inv`` per
             expert), unit last stride. A ``[E, K/128, N/128]`` tensor (the transpose) is refused by
             its shape unless ``ceil(N/128) == K/128``, where nothing can tell it apart: it is then
-            misread.
+            misread.  Scales must be finite and > 0 (a NaN or infinite one gives NaN outputs); the
+            op does not read them on the host to check (``FusedMoE`` checks its weights' once).
         expert_offsets: ``[E+1]`` int32; segment e is rows ``[off[e], off[e+1])`` (``off[0]`` is
             normally 0; rows before it are unspecified, like rows ``>= off[-1]``). DeepGEMM's
             contiguous layout (``m_indices`` per row, each expert's rows in one block padded to 128

@@ -109,7 +109,7 @@ def _check_config(
         V.check_int(where, name, v, min=1)
         if v % _B:
             _fail(where, f"{name} must be a multiple of {_B} (the 1x128 FP8 activation groups), got {v}")
-    V.check_int(where, "expert_offset", expert_offset, min=0)
+    V.check_int(where, "expert_offset", expert_offset, min=0, max=num_experts - 1, max_what="num_experts - 1")
     if num_local_experts is None:
         num_local_experts = num_experts - expert_offset
     V.check_int(where, "num_local_experts", num_local_experts, min=1)
@@ -119,8 +119,7 @@ def _check_config(
             f"expert_offset + num_local_experts must be <= num_experts = {num_experts}, "
             f"got {expert_offset} + {num_local_experts}",
         )
-    if not isinstance(gate_first, bool):
-        _fail(where, f"gate_first must be a bool, got {type(gate_first).__name__}", TypeError)
+    V.check_bool(where, "gate_first", gate_first)
     if act_scale_fmt not in V.SCALE_FMTS:
         _fail(where, f"act_scale_fmt must be None or 'ue8m0', got {act_scale_fmt!r}")
     V.weight_on_input(where, apply_router_weight_on_input, routing_method)
@@ -224,8 +223,7 @@ class FusedMoE(torch.nn.Module):
         device: Optional[Union[torch.device, str]] = None,
     ) -> None:
         super().__init__()
-        if not isinstance(has_score_bias, bool):
-            _fail("FusedMoE", f"has_score_bias must be a bool, got {type(has_score_bias).__name__}", TypeError)
+        V.check_bool("FusedMoE", "has_score_bias", has_score_bias)
         e_local = _check_config(
             "FusedMoE", num_experts, top_k, hidden_size, intermediate_size, routing_method, n_group, topk_group,
             routed_scaling_factor, has_score_bias, expert_offset, num_local_experts, gate_first, act_scale_fmt,
@@ -270,6 +268,9 @@ class FusedMoE(torch.nn.Module):
         """
         x2, lead = _flat(x, "x", "H")
         logits, _ = _flat(router_logits, "router_logits", "num_experts", lead)
+        if logits.shape[1] != self.num_experts:
+            _fail("FusedMoE", f"router_logits must be [..., num_experts = {self.num_experts}], got shape "
+                              f"{list(router_logits.shape)}")  # fmt: skip
         out = Fn.fused_moe(
             x2,
             logits,

@@ -201,12 +201,13 @@ def call(name: str, *args: Any) -> Any:
 
 
 def dispatch(name: str, *args: Any) -> Any:
-    """``torch.ops.cute_moe.<name>(*args)`` after ``_Op.check_arg_types`` (not while compiling,
-    where the values are traced: the op's validation checks them there)."""
-    if torch.compiler.is_compiling():
-        return getattr(torch.ops.cute_moe, name)(*args)
+    """``torch.ops.cute_moe.<name>(*args)`` after ``_Op.check_arg_types``, while compiling too: the
+    dispatcher converts a bad scalar (``None`` for a bool to ``False``, ``True`` for an int to 1)
+    before the op's validation could see it, and the traced graph would run with the converted value."""
     op = _OPS[name]
     op.check_arg_types(args)
+    if torch.compiler.is_compiling():
+        return getattr(torch.ops.cute_moe, name)(*args)
     try:
         return getattr(torch.ops.cute_moe, name)(*args)
     except RuntimeError as e:
@@ -329,7 +330,12 @@ def _quant_fp8_cuda(
 def _quant_fp8_fake(
     x: Tensor, group_size: int = 128, scale_fmt: Optional[str] = None, column_major_scales: bool = False
 ) -> tuple[Tensor, Tensor]:
+    # The scalars' rules, which the shapes below depend on (the shapes' own rules are the op's:
+    # checking them here would guard on symbolic sizes).
+    V.check_int("quant_fp8", "group_size", group_size, min=1)
     M, K = x.shape
+    if isinstance(K, int):
+        V.check_divisible("quant_fp8", "K (x.shape[1])", K, group_size, "group_size")
     return x.new_empty((M, K), dtype=_FP8), _empty_scales(x, M, K // group_size, column_major_scales)
 
 
@@ -383,7 +389,9 @@ def _route_cuda(
 
 @route.register_fake
 def _route_fake(router_logits: Tensor, top_k: int, *_: Any) -> tuple[Tensor, Tensor]:
-    T = router_logits.shape[0]
+    T, E = router_logits.shape
+    V.check_int("route", "top_k", top_k, min=1, max=E if isinstance(E, int) else None,
+                max_what="num_experts (router_logits.shape[1])")  # fmt: skip
     return (
         router_logits.new_empty((T, top_k), dtype=torch.int32),
         router_logits.new_empty((T, top_k), dtype=torch.float32),
@@ -433,6 +441,11 @@ def _align_fake(
     expert_offset: int = 0,
     num_local_experts: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    V.check_int("align", "num_experts", num_experts, min=1)
+    V.check_int("align", "alignment", alignment, min=1)
+    V.check_int("align", "expert_offset", expert_offset, min=0)
+    if num_local_experts is not None:
+        V.check_int("align", "num_local_experts", num_local_experts, min=1)
     T, k = topk_ids.shape
     e_local = num_experts if num_local_experts is None else num_local_experts
     m_cap = R.m_cap(T, k, e_local, alignment)

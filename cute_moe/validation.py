@@ -445,7 +445,8 @@ def validate_align(
     if num_local_experts is not None:
         check_int(op, "num_local_experts", num_local_experts, min=1)
     e_local = num_experts if num_local_experts is None else num_local_experts
-    _check_expert_range(op, expert_offset, e_local, num_experts, "num_local_experts", "num_experts")
+    e_local_what = "num_local_experts" if num_local_experts is not None else "num_local_experts (default num_experts)"
+    _check_expert_range(op, expert_offset, e_local, num_experts, e_local_what, "num_experts")
     if topk_ids.shape[1] > num_experts:
         _fail(op, f"top_k (topk_ids.shape[1]) must be <= num_experts = {num_experts}, got {topk_ids.shape[1]}")
     T, k = topk_ids.shape
@@ -468,8 +469,7 @@ def validate_permute_quant(
     zero_padding: bool = True,
 ) -> None:
     op = "permute_quant"
-    if not isinstance(zero_padding, bool):
-        raise TypeError(f"cute_moe.{op}: zero_padding must be a bool, got {type(zero_padding).__name__}")
+    check_bool(op, "zero_padding", zero_padding)
     _tensor(op, "x", x, _HALF_ACT, 2, "[T, H]")
     check_divisible(op, "H (x.shape[1])", x.shape[1], ACT_GROUP_SIZE)
     _check_permute_maps(op, row_to_token, expert_offsets)

@@ -554,6 +554,7 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
         ("EP range", lambda: ctor(expert_offset=6, num_local_experts=4), ValueError,
          r"expert_offset \+ num_local_experts must be <= num_experts = 8, got 6 \+ 4"),
         ("offset < 0", lambda: ctor(expert_offset=-1), ValueError, r"expert_offset must be >= 0"),
+        ("offset = E", lambda: ctor(expert_offset=8), ValueError, r"expert_offset must be <= num_experts - 1 = 7, got 8"),
         ("gate_first", lambda: ctor(gate_first=1), TypeError, r"gate_first must be a bool"),
         ("act fmt", lambda: ctor(act_scale_fmt="e8m0"), ValueError, r"act_scale_fmt must be None or 'ue8m0'"),
         ("weight on input type", lambda: ctor(top_k=1, apply_router_weight_on_input=1), TypeError,
@@ -614,7 +615,7 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"is neither a file nor a directory"),
         ("hf prefix type", lambda: FusedMoE.from_hf_fp8(sd, 3, E, TOP_K), TypeError, r"prefix must be a str"),
         ("hf EP range", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, expert_offset=8), ValueError,
-         r"expert_offset \+ num_local_experts|num_local_experts must be >= 1"),
+         r"expert_offset must be <= num_experts - 1 = 7, got 8"),
         # values that would give wrong or NaN outputs
         ("bias NaN", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=nan_at(torch.zeros(E), 1), **DSV3),
          ValueError, r"score_bias must not be NaN or \+inf, got nan at expert 1"),
@@ -651,7 +652,8 @@ def test_forward_errors_name_the_argument() -> None:
     q13, s13, q2, s2 = _good_weights()
     layer = FusedMoE.from_fp8(q13, s13, q2, s2, top_k=TOP_K)
     x = torch.randn(4, H).bfloat16()
-    with pytest.raises(ValueError, match=r"num_experts must equal router_logits.shape\[1\] = 16 when given, got 8"):
+    with pytest.raises(ValueError, match=r"cute_moe.FusedMoE: router_logits must be \[..., num_experts = 8\], got "
+                                         r"shape \[4, 16\]"):  # fmt: skip
         layer(x, torch.randn(4, 16))
     with pytest.raises(TypeError, match=r"cute_moe.fused_moe: x must be one of bfloat16, float16, got torch.float32"):
         layer(x.float(), torch.randn(4, E))

@@ -117,3 +117,42 @@ def test_symbolic_scalars_reach_the_op_outside_dynamo() -> None:
     traced = make_fx(fn, tracing_mode="symbolic")(logits)
     for got, want in zip(traced(logits), fn(logits)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["route_top_k_bool", "quant_fp8_column_major_none", "fused_moe_gate_first_none"])
+def test_compiled_calls_check_scalar_types(case) -> None:
+    """Under torch.compile the functional API's scalar type checks still run: the dispatcher would
+    take True for an int (top_k = 1) and None for a bool (False) without a word, and the compiled
+    graph would run with the converted value (gate_first=None: gate and up swapped)."""
+    torch._dynamo.reset()
+    x, logits = torch.randn(4, H, dtype=torch.bfloat16), torch.randn(4, E)
+    w13, s13 = R.quant_block_128x128_ref(torch.randn(E, 2 * I, H) * 0.05)
+    w2, s2 = R.quant_block_128x128_ref(torch.randn(E, H, I) * 0.05)
+    call, message = {
+        "route_top_k_bool": (lambda: cute_moe.route(logits, True, "softmax"), "top_k must be an int"),
+        "quant_fp8_column_major_none": (lambda: cute_moe.quant_fp8(x, column_major_scales=None),
+                                        "column_major_scales must be a bool"),
+        "fused_moe_gate_first_none": (lambda: cute_moe.fused_moe(x, logits, w13, s13, w2, s2, TOP_K, "renormalize",
+                                                                 gate_first=None), "gate_first must be a bool"),
+    }[case]  # fmt: skip
+    with pytest.raises(Exception, match=message):
+        torch.compile(call, fullgraph=True, dynamic=True)()
+
+
+def test_meta_calls_check_the_scalars_the_shapes_depend_on() -> None:
+    """The fakes (meta tensors, torch.compile's tracing) check the scalars their output shapes are
+    computed from, by name, rather than dividing by zero or returning a shape for a bad value."""
+    x, ids = torch.empty(4, 256, device="meta"), torch.empty(3, 2, dtype=torch.int32, device="meta")
+    logits = torch.empty(3, 8, device="meta")
+    with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+        torch.ops.cute_moe.quant_fp8(x, 0, None, False)
+    with pytest.raises(ValueError, match="K \\(x.shape\\[1\\]\\) must be divisible by group_size = 3"):
+        torch.ops.cute_moe.quant_fp8(x, 3, None, False)
+    with pytest.raises(ValueError, match="top_k must be <= num_experts"):
+        torch.ops.cute_moe.route(logits, 99, "softmax", None, 1, 1, 1.0)
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        torch.ops.cute_moe.route(logits, -1, "softmax", None, 1, 1, 1.0)
+    with pytest.raises(ValueError, match="alignment must be >= 1, got 0"):
+        torch.ops.cute_moe.align(ids, 8, 0, 0, None)
+    with pytest.raises(ValueError, match="num_local_experts must be >= 1, got -1"):
+        torch.ops.cute_moe.align(ids, 8, 128, 0, -1)

@@ -198,6 +198,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             ValueError,
             r"expert_offset \+ num_local_experts must be <= num_experts, got 4 \+ 8 > 8",
         ),
+        (
+            lambda g: {"expert_offset": 1},
+            ValueError,
+            r"expert_offset \+ num_local_experts \(default num_experts\) must be <= num_experts, got 1 \+ 8 > 8",
+        ),
         (lambda g: {"num_local_experts": 0}, ValueError, r"num_local_experts must be >= 1"),
         (
             lambda g: {"topk_ids": torch.zeros(T, 9, dtype=I32)},
