@@ -441,11 +441,7 @@ def _align_fake(
     expert_offset: int = 0,
     num_local_experts: Optional[int] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    V.check_int("align", "num_experts", num_experts, min=1)
-    V.check_int("align", "alignment", alignment, min=1)
-    V.check_int("align", "expert_offset", expert_offset, min=0)
-    if num_local_experts is not None:
-        V.check_int("align", "num_local_experts", num_local_experts, min=1)
+    V.check_align_sizes(num_experts, alignment, num_local_experts)
     T, k = topk_ids.shape
     e_local = num_experts if num_local_experts is None else num_local_experts
     m_cap = R.m_cap(T, k, e_local, alignment)

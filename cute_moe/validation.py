@@ -39,6 +39,7 @@ __all__ = [
     "KV_LAYOUTS",
     "ROUTING_METHODS",
     "SCALE_FMTS",
+    "check_align_sizes",
     "check_aligned_16",
     "check_bias_values",
     "check_bool",
@@ -431,6 +432,15 @@ def _check_expert_range(
         )
 
 
+def check_align_sizes(num_experts: Any, alignment: Any, num_local_experts: Any) -> None:
+    """align's scalars that its output shapes are computed from (also checked by its fake)."""
+    op = "align"
+    check_int(op, "num_experts", num_experts, min=1, max=INT32_MAX, max_what="2**31 - 1")
+    check_int(op, "alignment", alignment, min=1, max=INT32_MAX, max_what="2**31 - 1")
+    if num_local_experts is not None:
+        check_int(op, "num_local_experts", num_local_experts, min=1)
+
+
 def validate_align(
     topk_ids: Tensor,
     num_experts: int,
@@ -440,10 +450,7 @@ def validate_align(
 ) -> None:
     op = "align"
     _tensor(op, "topk_ids", topk_ids, _INDEX, 2, "[T, k]")
-    check_int(op, "num_experts", num_experts, min=1, max=INT32_MAX, max_what="2**31 - 1")
-    check_int(op, "alignment", alignment, min=1, max=INT32_MAX, max_what="2**31 - 1")
-    if num_local_experts is not None:
-        check_int(op, "num_local_experts", num_local_experts, min=1)
+    check_align_sizes(num_experts, alignment, num_local_experts)
     e_local = num_experts if num_local_experts is None else num_local_experts
     e_local_what = "num_local_experts" if num_local_experts is not None else "num_local_experts (default num_experts)"
     _check_expert_range(op, expert_offset, e_local, num_experts, e_local_what, "num_experts")

@@ -240,8 +240,8 @@ def sm90_swiglu_tile(m_cap: int, num_experts: int, k: int, has_counts: bool,
     half / three quarters of a tile per expert, -12.4 / -10.2% (session 30); 16 experts without
     ``expected_m`` at 1 / 4 / 16 tiles -0.8 / +4.9 / +4.0% (session 31), at 1.5 / 2 / 2.5 / 3 / 3.5
     tiles -6.5 / -2.1 / +0.8 / +1.9 / +2.1% (session 32).  From ``SWIGLU_TWO_KERNEL_TILES`` = 2.25
-    (estimated) tiles there it is two kernels.  128-wide tiles estimated that dense occur only under 64 experts without
-    ``expected_m``, where M_cap's estimate overcounts an expert-parallel slice by its factor: such
+    (estimated) tiles there it is two kernels.  128-wide tiles estimated that dense occur only under
+    64 experts without ``expected_m``, where M_cap's estimate overcounts an expert-parallel slice by its factor: such
     a slice (``fused_moe_routed`` without ``num_experts``) runs two kernels whatever its real rows,
     as before session 30 (the one kernel there is not measured); ``expected_m`` avoids it.  None
     also where the 128-wide GEMM pairs M tiles (the pair's CTAs hold different rows): a guard, as
