@@ -78,7 +78,10 @@ def import_cute(arch: str | None = None):
 
 
 def fake_tensor(dtype, shape, stride, align: int = 16):
-    """A global-memory fake tensor for compilation (never a CPU tensor: see CUTE_DSL_NOTES)."""
+    """A global-memory fake tensor for compilation.  Never a CPU tensor: ``from_dlpack`` of one
+    gives a generic address space, and kernels that ``cute.copy`` from global memory (the cp.async
+    scale loads) then fail IR verification; fake tensors also keep a compile independent of any
+    particular tensor."""
     if align > 16:  # the launch memo keys addresses by their alignment up to 16 B only
         raise ValueError(f"cute_moe: fake_tensor's align must be at most 16 bytes, got {align}")
     cute = import_cute()

@@ -3,8 +3,8 @@
 Compiles the CuTe DSL kernel(s) behind a cute_moe op for a representative
 problem, with no GPU, and prints per kernel: name, registers, shared memory
 bytes, spill bytes and SASS instruction counts by mnemonic.  ``--json`` prints
-one object ``{"op", "arch", "kernels": [{"name", "registers", "smem_bytes",
-"spill_bytes", "sass_counts"}]}``.  Exits 2 for an op with no kernel yet.
+one object ``{"op", "arch", "kernels": [{"variant", "name", "registers", "smem_bytes",
+"spill_bytes", "sass_counts"}]}`` (``variant``: the compiled configuration a kernel belongs to).  Exits 2 for an op with no kernel yet.
 """
 
 from __future__ import annotations
@@ -12,15 +12,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 
-from .compiler import SUPPORTED_ARCHS
+from .compiler import SUPPORTED_ARCHS, import_cute
 
 
 def inspect_op(op: str, arch: str) -> dict:
-    # The DSL reads its default target once, at import: pin it before anything imports cutlass.
-    os.environ.setdefault("CUTE_DSL_ARCH", arch)
+    import_cute(arch)  # pins the DSL's default target before anything else imports cutlass
     from .cubin import analyse_cubin
     from .kernels import KERNEL_MODULES
 

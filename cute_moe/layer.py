@@ -120,8 +120,7 @@ def _check_config(
             f"got {expert_offset} + {num_local_experts}",
         )
     V.check_bool(where, "gate_first", gate_first)
-    if act_scale_fmt not in V.SCALE_FMTS:
-        _fail(where, f"act_scale_fmt must be None or 'ue8m0', got {act_scale_fmt!r}")
+    V.check_scale_fmt(where, "act_scale_fmt", act_scale_fmt)
     V.weight_on_input(where, apply_router_weight_on_input, routing_method)
     return int(num_local_experts)
 
@@ -129,13 +128,9 @@ def _check_config(
 def _check_tensor(
     where: str, name: str, t: Any, dtypes: Sequence[torch.dtype], shape: Sequence[int], what: str
 ) -> None:
-    if not isinstance(t, Tensor):
-        _fail(where, f"{name} must be a torch.Tensor, got {type(t).__name__}", TypeError)
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        _fail(where, f"{name} must be {want}, got {t.dtype}", TypeError)
-    if list(t.shape) != list(shape):
-        _fail(where, f"{name} must have shape {what} = {list(shape)}, got {list(t.shape)}")
+    V.check_tensor(where, name, t)
+    V.check_dtype(where, name, t, dtypes)
+    V.check_shape(where, name, t, shape, what)
 
 
 def _flat(t: Any, name: str, last: str, lead: Optional[tuple[Any, ...]] = None) -> tuple[Tensor, tuple[Any, ...]]:
@@ -243,7 +238,8 @@ class FusedMoE(torch.nn.Module):
         self.act_scale_fmt = act_scale_fmt
         self.apply_router_weight_on_input = V.weight_on_input("FusedMoE", apply_router_weight_on_input, routing_method)
         H, I = self.hidden_size, self.intermediate_size
-        zeros = torch.empty if torch.device(device or "cpu").type == "meta" else torch.zeros
+        device = V.as_device("FusedMoE", "device", device)
+        zeros = torch.empty if device is not None and device.type == "meta" else torch.zeros
         self.register_buffer("w13", zeros(e_local, 2 * I, H, dtype=_FP8, device=device))
         self.register_buffer("w13_scale", zeros(e_local, 2 * I // _B, H // _B, dtype=torch.float32, device=device))
         self.register_buffer("w2", zeros(e_local, H, I, dtype=_FP8, device=device))
@@ -547,7 +543,7 @@ class FusedMoE(torch.nn.Module):
                 f"got {E_w}",
             )
         bias = _check_score_bias(where, score_bias, num_experts)
-        dev = torch.device(device) if device is not None else gate.device
+        dev = V.as_device(where, "device", device) or gate.device
         q13, s13, q2, s2 = _empty_fp8_weights(e_local, H, I, dev)
         gate_rows, up_rows = _half_rows(I, gate_first)
         with torch.no_grad():  # the weights are often nn.Parameters: keep no graph of them
@@ -774,7 +770,7 @@ class _TensorSource:
 
     def __init__(self, where: str, checkpoint: Any, device: Optional[Union[torch.device, str]]) -> None:
         self.where = where
-        self.device = None if device is None else torch.device(device)
+        self.device = V.as_device(where, "device", device)
         self.what = "state_dict"
         self._dict: Optional[Mapping[str, Any]] = None
         self._files: dict[str, list[str]] = {}  # key -> the files holding it (the index's one file, if any)

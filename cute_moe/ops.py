@@ -19,9 +19,10 @@ that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
 Validation only reads metadata (never tensor data; the CPU implementations check their
-index data, ``_check_indices``, and the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The
-fake implementations run one check of it, that all tensors share a device (``check_same_device``: a call mixing meta and real tensors
-must raise, not return empty memory).  Importing this module neither imports ``cutlass``
+index data, ``check_index_range``, and the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The
+fake implementations check that all tensors share a device (``check_same_device``: a call mixing
+meta and real tensors must raise, not return empty memory) and the scalars their output shapes
+are computed from (a bad ``group_size`` or ``top_k`` must raise, not give a shape).  Importing this module neither imports ``cutlass``
 nor initialises CUDA: kernels are imported lazily inside the CUDA implementations.
 """
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 import re
 from collections.abc import Callable
 from typing import Any, Optional
@@ -41,6 +41,7 @@ from torch import Tensor
 from cute_moe import launch_memo
 from cute_moe import reference as R
 from cute_moe import validation as V
+from cute_moe.kernels.host_checks import check_index_range, debug_checks
 
 __all__ = [
     "align",
@@ -251,24 +252,6 @@ def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
     return like.new_empty((rows, cols), dtype=torch.float32)
 
 
-def _debug_checks() -> bool:
-    """``CUTE_MOE_DEBUG=1``: the CUDA implementations check their index data as the CPU ones always
-    do, at the cost of a device sync (never replayed by the launch memo)."""
-    return os.environ.get("CUTE_MOE_DEBUG") == "1"
-
-
-def _check_indices(op: str, name: str, t: Optional[Tensor], lo: int, hi: int) -> None:
-    """The CPU implementations read the index tensors anyway: entries outside ``[lo, hi)`` get a
-    ValueError naming them, not an IndexError from inside the reference.  (The GPU kernels cannot
-    check data without a host sync; such entries are outside the ops' contract there, and checked
-    only under ``_debug_checks``.)"""
-    if t is not None and t.numel():
-        bad = (t < lo) | (t >= hi)
-        if bool(bad.any()):
-            value = int(t[bad].reshape(-1)[0])
-            raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {value}")
-
-
 def _check_non_decreasing(op: str, name: str, prefix_sums: Tensor) -> Tensor:
     """ValueError unless ``prefix_sums`` never decreases; returns the lengths it delimits."""
     lengths = prefix_sums[1:] - prefix_sums[:-1]
@@ -279,7 +262,7 @@ def _check_non_decreasing(op: str, name: str, prefix_sums: Tensor) -> Tensor:
 
 def _check_segments(op: str, expert_offsets: Tensor, m_cap: int, expert_counts: Optional[Tensor] = None) -> None:
     """expert_offsets non-decreasing in [0, M_cap]; counts in [0, segment length]."""
-    _check_indices(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
+    check_index_range(op, "expert_offsets", expert_offsets, 0, m_cap + 1)
     lengths = _check_non_decreasing(op, "expert_offsets", expert_offsets)
     if expert_counts is not None and bool(((expert_counts < 0) | (expert_counts > lengths)).any()):
         raise ValueError(f"cute_moe.{op}: expert_counts[e] must lie in [0, expert_offsets[e+1] - expert_offsets[e]]")
@@ -289,8 +272,8 @@ def _check_gather_maps(
     op: str, num_tokens: int, row_to_token: Tensor, expert_offsets: Tensor, token_to_row: Optional[Tensor] = None
 ) -> None:
     """permute(_quant)'s index data: row_to_token in [-1, T), token_to_row in [-1, M_cap), the segments."""
-    _check_indices(op, "row_to_token", row_to_token, -1, num_tokens)
-    _check_indices(op, "token_to_row", token_to_row, -1, row_to_token.shape[0])
+    check_index_range(op, "row_to_token", row_to_token, -1, num_tokens)
+    check_index_range(op, "token_to_row", token_to_row, -1, row_to_token.shape[0])
     _check_segments(op, expert_offsets, row_to_token.shape[0])
 
 
@@ -364,7 +347,7 @@ def route(
 
 def _check_score_bias_values(op: str, score_bias: Optional[Tensor]) -> None:
     """``V.check_bias_values`` where the data may be read: on the CPU, on CUDA under ``CUTE_MOE_DEBUG``."""
-    if score_bias is not None and (not score_bias.is_cuda or _debug_checks()):
+    if score_bias is not None and (not score_bias.is_cuda or debug_checks()):
         V.check_bias_values(op, "score_bias", score_bias)
 
 
@@ -426,10 +409,8 @@ def _align_cuda(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     V.validate_align(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
     align_cuda = _launcher("align", "align_cuda")
-    debug_check_index_range = _launcher("host_checks", "debug_check_index_range")
-
-    if num_experts != _ANY_EXPERT:  # fused_moe_routed's bound: there any id is legal (non-local ones count for nothing)
-        debug_check_index_range("align", "topk_ids", topk_ids, num_experts)
+    if num_experts != _ANY_EXPERT and debug_checks():  # (_ANY_EXPERT: fused_moe_routed's ids, all legal)
+        check_index_range("align", "topk_ids", topk_ids, -1, num_experts)
     return align_cuda(topk_ids, num_experts, alignment, expert_offset, num_local_experts)
 
 
@@ -485,7 +466,7 @@ def _permute_quant_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute_quant(x, row_to_token, expert_offsets, scale_fmt, token_to_row, zero_padding)
     permute_quant_cuda = _launcher("permute_quant", "permute_quant_cuda")
-    if _debug_checks():
+    if debug_checks():
         _check_gather_maps("permute_quant", x.shape[0], row_to_token, expert_offsets, token_to_row)
 
     # With token_to_row: the token-major kernel (x read once); without: the row-major one.
@@ -516,7 +497,7 @@ def _permute_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_permute(a_in, a_in_scale, row_to_token, expert_offsets)
     permute_cuda = _launcher("permute_quant", "permute_cuda")
-    if _debug_checks():
+    if debug_checks():
         _check_gather_maps("permute", a_in.shape[0], row_to_token, expert_offsets)
 
     return permute_cuda(a_in, a_in_scale, row_to_token, expert_offsets)
@@ -559,7 +540,7 @@ def _grouped_gemm_fp8_cuda(
 ) -> Tensor:
     V.validate_grouped_gemm_fp8(a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
     grouped_gemm_fp8_cuda = _launcher("grouped_gemm", "grouped_gemm_fp8_cuda")
-    if _debug_checks():
+    if debug_checks():
         _check_gemm_segments("grouped_gemm_fp8", expert_offsets, a.shape[0], expert_counts)
     return grouped_gemm_fp8_cuda(a, a_scale, b, b_scale, expert_offsets, expert_counts, expected_m)
 
@@ -619,7 +600,7 @@ def _grouped_gemm_fp8_swiglu_cuda(
     V.validate_grouped_gemm_fp8_swiglu(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt,
                                        expected_m)  # fmt: skip
     swiglu_cuda = _launcher("grouped_gemm_swiglu", "grouped_gemm_fp8_swiglu_cuda")
-    if _debug_checks():
+    if debug_checks():
         _check_gemm_segments("grouped_gemm_fp8_swiglu", expert_offsets, a.shape[0], expert_counts)
     return swiglu_cuda(a, a_scale, w13, w13_scale, expert_offsets, expert_counts, gate_first, scale_fmt, expected_m)
 
@@ -659,7 +640,7 @@ def _silu_mul_quant_cuda(
 ) -> tuple[Tensor, Tensor]:
     V.validate_silu_mul_quant(h, expert_offsets, gate_first, scale_fmt, expert_counts)
     silu_mul_quant_cuda = _launcher("silu_mul_quant", "silu_mul_quant_cuda")
-    if _debug_checks():
+    if debug_checks():
         _check_segments("silu_mul_quant", expert_offsets, h.shape[0], expert_counts)
 
     # With expert_counts: padding rows neither read nor written (their codes and scales unspecified).
@@ -680,7 +661,7 @@ def _silu_mul_quant_fake(h: Tensor, *_: Any) -> tuple[Tensor, Tensor]:
 @_custom_op(f"{_NS}::finalize", mutates_args=(), device_types="cpu")
 def finalize(y: Tensor, topk_weights: Tensor, token_to_row: Tensor) -> Tensor:
     V.validate_finalize(y, topk_weights, token_to_row)
-    _check_indices("finalize", "token_to_row", token_to_row, -1, y.shape[0])
+    check_index_range("finalize", "token_to_row", token_to_row, -1, y.shape[0])
     return R.finalize_ref(y, topk_weights, token_to_row).contiguous()
 
 
@@ -908,7 +889,7 @@ def _fill_kv_cache_fp8_cuda(
         group_size, scale_fmt, layout,
     )  # fmt: skip
     V.validate_fill_kv_cache_fp8(*args)
-    if _debug_checks():
+    if debug_checks():
         _check_non_decreasing("fill_kv_cache_fp8", "cu_seqlens_q", cu_seqlens_q)
     fill_kv_cache_fp8_cuda = _launcher("fill_kv_cache_fp8", "fill_kv_cache_fp8_cuda")
 

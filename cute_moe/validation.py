@@ -16,7 +16,7 @@ N_tok``, ...) cannot be checked here; the ops document them instead.
 
 The checks are meant for real tensors; the ops call them from their CPU and
 CUDA implementations.  The fake (meta) implementations run ``check_same_device``
-only.  A few rules that only the GPU kernels impose are checked here too, before
+and the checks of the scalars their output shapes are computed from.  A few rules that only the GPU kernels impose are checked here too, before
 anything launches, with ``NotImplementedError`` (top_k > 32 in ``fused_moe_routed``).
 """
 
@@ -39,6 +39,7 @@ __all__ = [
     "KV_LAYOUTS",
     "ROUTING_METHODS",
     "SCALE_FMTS",
+    "as_device",
     "check_align_sizes",
     "check_aligned_16",
     "check_bias_values",
@@ -50,17 +51,20 @@ __all__ = [
     "check_int",
     "check_last_dim_contiguous",
     "check_ndim",
+    "check_routing_config",
     "check_same_device",
     "check_scale_fmt",
     "check_shape",
     "check_str",
     "check_tensor",
+    "holds_data",
     "validate_align",
     "validate_fill_kv_cache_fp8",
     "validate_finalize",
     "validate_fused_moe",
     "validate_fused_moe_routed",
     "validate_grouped_gemm_fp8",
+    "validate_grouped_gemm_fp8_swiglu",
     "validate_moe_reduce",
     "validate_permute",
     "validate_permute_quant",
@@ -70,10 +74,11 @@ __all__ = [
     "weight_on_input",
 ]
 
-FP8_DTYPE = torch.float8_e4m3fn
-ACT_GROUP_SIZE = 128  # activation / weight scale block along K (and N for weights)
-SCALE_FMTS = (None, "ue8m0")
-ROUTING_METHODS = ("softmax", "renormalize", "deepseek_v3", "llama4", "sigmoid_renorm")
+# The contract's constants, defined once (in ``reference``, which the kernels' references share).
+FP8_DTYPE = R.FP8_DTYPE
+ACT_GROUP_SIZE = R.BLOCK  # activation / weight scale block along K (and N for weights)
+SCALE_FMTS = R.SCALE_FMTS
+ROUTING_METHODS = R.ROUTING_METHODS
 KV_LAYOUTS = ("bshd", "bhsd")
 
 _FLOAT_ACT = (torch.bfloat16, torch.float16, torch.float32)
@@ -269,6 +274,19 @@ def check_choice(op: str, name: str, v: Any, choices: Sequence[Any]) -> None:
 
 def check_scale_fmt(op: str, name: str, v: Any) -> None:
     check_choice(op, name, v, SCALE_FMTS)
+
+
+def as_device(op: str, name: str, v: Any) -> Optional[torch.device]:
+    """``v`` (None, a torch.device, a device string or index) as a torch.device, or None; an
+    unknown device string is a ValueError naming ``name``, not torch's bare RuntimeError."""
+    if v is None or isinstance(v, torch.device):
+        return v
+    if not isinstance(v, (str, int)) or isinstance(v, bool):
+        _fail(op, f"{name} must be None, a torch.device, a str or an int, got {_type_name(v)}", TypeError)
+    try:
+        return torch.device(v)
+    except RuntimeError as exc:
+        _fail(op, f"{name} is not a device: {v!r} ({exc})")
 
 
 def _tensor(

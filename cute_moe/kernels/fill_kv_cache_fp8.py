@@ -53,6 +53,7 @@ import torch
 from cutlass import Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from ..validation import INT32_MAX
 from .fp8_group import lanes_per_group, quantize_group_fp8
 from .host_checks import check_rows_16b, debug_check_index_range
 
@@ -65,7 +66,6 @@ _SMALL_BATCH_TOKENS = 4096
 # small-batch variant (B = 64..128 decode sequences in one round trip), 1 otherwise (registers).
 _LOOKUP_PER_LANE = {True: 4, False: 1}
 _MAX_WARPS_PER_TOKEN, _MIN_PASSES_PER_WARP = 4, 2  # small-batch variant: a token's passes over warps
-_INT32_MAX = 2**31 - 1
 
 
 class FillKvCacheFp8Kernel:
@@ -278,7 +278,7 @@ class FillKvCacheFp8Kernel:
                 kv = cute.make_rmem_tensor((per_lane,), Int32)
                 for j in cutlass.range_constexpr(per_lane):
                     i = base + j * 32 + lane
-                    lo[j], hi[j], kv[j] = Int32(_INT32_MAX), Int32(_INT32_MAX), Int32(0)  # past B: counts nothing
+                    lo[j], hi[j], kv[j] = Int32(INT32_MAX), Int32(INT32_MAX), Int32(0)  # past B: counts nothing
                     if i < num_seqs:
                         lo[j], hi[j], kv[j] = mCu[i], mCu[i + 1], mKvLen[i]
                 for j in cutlass.range_constexpr(per_lane):

@@ -32,8 +32,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-6
+from ..reference import AMAX_FLOOR, FP8_MAX  # the quantization the kernels reproduce bit for bit
+
 _INV_FP8_MAX = struct.unpack("f", struct.pack("f", 1.0 / FP8_MAX))[0]  # RN_f32(1/448)
 _F32_EXP_MASK = 0x7F800000
 _F32_MANTISSA_MASK = 0x007FFFFF

@@ -642,9 +642,9 @@ class GroupedGemmFp8Sm90:
                 if sparse:
                     self.sparse_epilogue(acc, tCcC, mC_direct, m_tile, n_tile, rows_left, math_tidx)
                 else:
-                    self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, math_tidx)
+                    self.epilogue(epi, tma_c, mC, m_tile, n_tile, math_tidx)
             else:
-                self.epilogue(epi, acc, tma_c, mC, m_tile, n_tile, math_tidx)
+                self.epilogue(epi, tma_c, mC, m_tile, n_tile, math_tidx)
         if math_tidx // 32 == 0:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # shared memory outlives the last stores' reads
 
@@ -941,7 +941,7 @@ class GroupedGemmFp8Sm90:
             cute.arch.cp_async_bulk_commit_group()
 
     @cute.jit
-    def epilogue(self, epi, acc, tma_c, mC, m_tile, n_tile, math_tidx):
+    def epilogue(self, epi, tma_c, mC, m_tile, n_tile, math_tidx):
         """The tile in bf16: registers -> shared memory (stmatrix, 128 x 32 sub-tiles) -> TMA stores
         issued by one warp.  Store-behind: the whole tile, then its tile_n / 32 stores, waited for only
         before the next tile's epilogue rewrites the buffers (a K loop later: no wait in practice).

@@ -5,14 +5,17 @@ Allocations pass sizes as separate ints, never a shape tuple: on the H200 machin
 ``torch.empty((m, n), ...)`` takes 3.5 µs and ``torch.empty(m, n, ...)`` 1.9 µs.
 
 The op layer (``cute_moe.validation``) owns the contract's rules; these are the kernels'
-own: the 16-byte rows their vector loads need, and, in debug mode, the index ranges the
-kernels would otherwise skip silently.
+own: the 16-byte rows their vector loads need, and the index ranges (always on the CPU, where
+the references would index out of range; on the GPU in debug mode only, where the kernels would
+skip such entries silently).
 """
 from __future__ import annotations
 
 import os
 
 import torch
+
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 
 
 def check_rows_16b(op: str, name: str, t: torch.Tensor) -> None:
@@ -36,17 +39,25 @@ def empty_mn_major(rows: int, cols: int, device: torch.device) -> torch.Tensor:
     return torch.empty_strided((rows, cols), (1, max(rows, 1)), dtype=torch.float32, device=device)
 
 
-def debug_check_index_range(op: str, name: str, t: torch.Tensor, upper: int) -> None:
-    """With ``CUTE_MOE_DEBUG=1``: ValueError unless every entry of ``t`` is -1 or in [0, upper).
+def debug_checks() -> bool:
+    """``CUTE_MOE_DEBUG=1``: the CUDA implementations check their index data as the CPU ones always
+    do, at the cost of a device sync (never replayed by the launch memo)."""
+    return os.environ.get("CUTE_MOE_DEBUG") == "1"
 
-    A host check that reads ``t`` (a device sync), so off by default: the kernels skip such
-    entries instead of reading or writing out of bounds.
-    """
-    if os.environ.get("CUTE_MOE_DEBUG") != "1":
+
+def check_index_range(op: str, name: str, t: torch.Tensor | None, lo: int, hi: int) -> None:
+    """ValueError unless every entry of ``t`` lies in [lo, hi), naming the first that does not.  It
+    reads ``t``: on a GPU a device sync, so the CUDA paths call it only under ``debug_checks``."""
+    if t is None or not t.numel():
         return
-    bad = (t < -1) | (t >= upper)
+    bad = (t < lo) | (t >= hi)
     if bool(bad.any()):
-        raise ValueError(
-            f"cute_moe.{op}: {name} holds entries outside [-1, {upper}) "
-            f"(first at {tuple(bad.nonzero()[0].tolist())}); the kernel would skip them"
-        )
+        at = tuple(bad.nonzero()[0].tolist())
+        raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {int(t[at])} at {at}")
+
+
+def debug_check_index_range(op: str, name: str, t: torch.Tensor, upper: int) -> None:
+    """With ``CUTE_MOE_DEBUG=1``: ``check_index_range`` over [-1, upper).  Off by default: the
+    kernels skip such entries instead of reading or writing out of bounds."""
+    if debug_checks():
+        check_index_range(op, name, t, -1, upper)

@@ -21,10 +21,9 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .fp8_group import lanes_per_group, quantize_group_fp8
-from .host_checks import check_rows_16b, empty_mn_major
+from .host_checks import MAX_GRID_Y, check_rows_16b, empty_mn_major
 
 GROUP = 128
-MAX_GRID_Y = 65535
 
 
 class RowGroupKernel:

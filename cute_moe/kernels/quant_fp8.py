@@ -38,10 +38,9 @@ from ..compiler import (
     torch_to_cutlass_dtype,
 )
 from .fp8_group import lanes_per_group, quantize_group_fp8
-from .host_checks import check_rows_16b, empty_mn_major
+from .host_checks import MAX_GRID_Y, check_rows_16b, empty_mn_major
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_MAX_GRID_Y = 65535
 
 
 class QuantFp8Kernel:
@@ -133,8 +132,8 @@ def quant_fp8_cuda(x: torch.Tensor, group_size: int, scale_fmt: str | None, colu
     check_rows_16b("quant_fp8", "x", x)
     m, k = x.shape
     row_blocks = -(-m // QuantFp8Kernel.rows_per_cta_for(x.element_size(), group_size))
-    if row_blocks > _MAX_GRID_Y:
-        raise ValueError(f"cute_moe.quant_fp8: x has {m} rows; this kernel handles at most {_MAX_GRID_Y} row blocks")
+    if row_blocks > MAX_GRID_Y:
+        raise ValueError(f"cute_moe.quant_fp8: x has {m} rows; this kernel handles at most {MAX_GRID_Y} row blocks")
     q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     if column_major_scales:
         scale = empty_mn_major(m, k // group_size, x.device)

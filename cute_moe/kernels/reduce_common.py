@@ -18,10 +18,11 @@ from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
+from .host_checks import MAX_GRID_Y
+
 NUM_THREADS = 128
 MAX_K = 32  # lane j of a warp holds entry j
 ROWS_PER_BATCH = 8  # row loads in flight together (for k > 8 the rows go in batches)
-_MAX_GRID_Y = 65535
 
 
 def vectors_per_thread(k: int) -> int:
@@ -182,5 +183,5 @@ def weighted_row_sum(
 
 
 def check_slabs(op: str, hidden: int, cols_per_cta: int) -> None:
-    if -(-hidden // cols_per_cta) > _MAX_GRID_Y:
-        raise ValueError(f"cute_moe.{op}: H = {hidden} is too wide (at most {_MAX_GRID_Y * cols_per_cta} columns)")
+    if -(-hidden // cols_per_cta) > MAX_GRID_Y:
+        raise ValueError(f"cute_moe.{op}: H = {hidden} is too wide (at most {MAX_GRID_Y * cols_per_cta} columns)")

@@ -78,10 +78,11 @@ import torch
 from cutlass import Float32, Int32
 
 from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tensor, torch_to_cutlass_dtype
+from ..reference import ROUTING_METHODS
 from .reduce_common import add_rn, mul_rn
 from .silu_mul_quant import F32_MAX, ONE_PLUS_EXP_NEG
 
-METHODS = ("softmax", "renormalize", "deepseek_v3", "llama4", "sigmoid_renorm")
+METHODS = ROUTING_METHODS
 MAX_EXPERTS = 512
 MAX_K = 32
 MAX_K_DEEPSEEK = 8

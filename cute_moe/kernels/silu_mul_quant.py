@@ -102,10 +102,8 @@ The math is ~20 instructions per output: 8 for ``expf``, 7 for the division
 (with the clamp), 2 to widen bf16, the ``up`` multiply, the amax step, the
 quotient and half a conversion.
 
-Constraints (``can_implement``): h bf16 or fp16 with unit column stride, a
-16-byte aligned base and row stride (checked on the host); I a multiple of 128.
-The op itself takes bf16 only (``validation``), so the fp16 path is not reachable
-through it.
+Constraints (``can_implement``): h bf16 (the GEMM's output; the op takes bf16 only) with unit
+column stride, a 16-byte aligned base and row stride (checked on the host); I a multiple of 128.
 """
 
 from __future__ import annotations
@@ -120,7 +118,7 @@ from ..compiler import arch_of_device, cached_compile, compile_kernel, fake_tens
 from .fp8_group import quantize_group_fp8, to_f32
 from .moe_rows import GROUP, MAX_GRID_Y, checked_outputs, load_16b_async, real_rows_end, rows_end, thread_slots
 
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES = (torch.bfloat16,)
 
 # 1 + expf(-x) exactly as nvcc compiles torch's `opmath_t(1) + ::expf(-x_acc)` (libdevice expf,
 # its final multiply contracted with the add).
