@@ -6,7 +6,8 @@ compiles every ``inspect_variants`` entry of both modules and reports, per
 kernel, the instruction counts (``cute_moe.cubin.analyse_cubin``) and how many
 16-byte row loads are issued before the first multiply.  Checked:
 
-* global loads and stores, no local memory (spills), no calls;
+* global loads and stores, no local memory (spills), no calls, no atomics (each output element
+  is written once by one thread: deterministic, as the op promises);
 * no FFMA: products and sums are separately rounded (``mul.rn`` / ``add.rn``),
   which is what makes the outputs bit-identical to the references;
 * every row load of a batch (``min(k, 8) * V`` 128-bit loads) is in flight before
@@ -86,6 +87,7 @@ def test_sass_memory_and_calls(reports):
         assert counts.get("LDG", 0) > 0 and counts.get("STG", 0) > 0, r["variant"]
         assert "LDL" not in counts and "STL" not in counts and r["spill_bytes"] == 0, r["variant"]
         assert "CALL" not in counts, r["variant"]
+        assert not {"ATOM", "ATOMG", "RED", "REDG", "ATOMS"} & set(counts), r["variant"]
         assert r["smem_bytes"] == 0, r["variant"]
         assert 0 < r["registers"] <= 128, (r["variant"], r["registers"])
 

@@ -121,3 +121,22 @@ def test_grouped_gemm_swiglu_inspect_lists_what_runs(arch):
     else:
         assert all(k["sass_counts"].get("UTCQMMA", 0) >= 4 for k in gemms)
         assert any(k["variant"].startswith("silu_mul_quant") for k in kernels)
+
+
+_CLI_CHECKED_ABOVE = {"quant_fp8", "fill_kv_cache_fp8", "grouped_gemm_fp8", "grouped_gemm_fp8_swiglu"}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("op", sorted(set(KERNEL_MODULES) - _CLI_CHECKED_ABOVE))
+def test_inspect_cli_compiles_every_op_without_spills(op, arch):
+    """Issue 5's CPU check, through the command it names (``python -m cute_moe.inspect OP --arch``)
+    for each op the tests above do not run it for: the op's kernels compile, none spills.  Their
+    SASS shapes are checked by the tests/test_compile_*.py files."""
+    proc = _inspect(op, arch, "--json")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["op"] == op and report["arch"] == arch and report["kernels"]
+    for kernel in report["kernels"]:
+        counts = kernel["sass_counts"]
+        assert "LDL" not in counts and "STL" not in counts and kernel["spill_bytes"] == 0, kernel["variant"]
+        assert counts.get("LDG", 0) + counts.get("UTMALDG", 0) + counts.get("LDGSTS", 0) > 0, kernel["variant"]
