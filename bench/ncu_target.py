@@ -50,11 +50,11 @@ def _layer(tokens=1):
     """The full-size DeepSeek-V3 fused_moe (random FP8 weights): profile with --launch-skip 0 and no
     kernel filter after the first call to list every kernel of one layer call."""
     from cute_moe.__main__ import FULL_E, FULL_H, FULL_I, FULL_K, FULL_N_GROUP, FULL_SCALING, FULL_TOPK_GROUP
-    from cute_moe.__main__ import _random_fp8_experts
+    from cute_moe.testing import random_fp8_experts
 
     g = torch.Generator(device="cuda").manual_seed(0)
-    w13, w13_scale = _random_fp8_experts(FULL_E, 2 * FULL_I, FULL_H, g)
-    w2, w2_scale = _random_fp8_experts(FULL_E, FULL_H, FULL_I, g)
+    w13, w13_scale = random_fp8_experts(FULL_E, 2 * FULL_I, FULL_H, g)
+    w2, w2_scale = random_fp8_experts(FULL_E, FULL_H, FULL_I, g)
     bias = 0.1 * torch.randn(FULL_E, generator=g, device="cuda")
     x = torch.randn(tokens, FULL_H, generator=g, device="cuda").to(torch.bfloat16)
     logits = torch.randn(tokens, FULL_E, generator=g, device="cuda")

@@ -27,6 +27,7 @@ import torch
 
 from . import reference as R
 from .compiler import arch_of_device_index
+from .testing import random_fp8_experts, reference_moe
 
 T, E, H, I, K_TOP, N_GROUP, TOPK_GROUP, SCALING = 64, 16, 512, 256, 4, 4, 2, 2.5
 
@@ -136,73 +137,7 @@ def _dense_layer(x, logits, bias, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
 FULL_E, FULL_H, FULL_I, FULL_K, FULL_N_GROUP, FULL_TOPK_GROUP, FULL_SCALING = 256, 7168, 2048, 8, 8, 4, 2.5
 FULL_TOKENS = (1, 128, 4096)
 FULL_TOL = 1e-2  # rel L2 of the layer against the f32 reference on the same FP8 weights and activation quantization
-_BLOCK = 128
-_CODE_STD = 100.0  # random e4m3 codes ~ N(0, 100) clamped to +-448: a 128x128 block's max |code| is ~448
 _TIMED_REPS = 50
-
-
-def _random_fp8_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 codes [E, N, K], f32 128x128 block scales [E, N/128, K/128]) drawn on the GPU.
-
-    The codes span the e4m3 range as an amax/448-scaled checkpoint's do; the scales put the
-    dequantized weights at std ~K^-0.5, spread by 10**U(-0.3, 0.3) per block. Built directly:
-    quantizing 11 GB of bf16 weights would take far longer.
-    """
-    codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device="cuda")
-    flat = codes.view(-1)
-    step = 1 << 28
-    for i in range(0, flat.numel(), step):
-        n = min(step, flat.numel() - i)
-        flat[i : i + n].copy_(torch.randn(n, generator=g, device="cuda").mul_(_CODE_STD).clamp_(-448.0, 448.0))
-    spread = torch.pow(10.0, torch.empty(E, N // _BLOCK, K // _BLOCK, device="cuda").uniform_(-0.3, 0.3, generator=g))
-    return codes, spread * (K**-0.5 / _CODE_STD)
-
-
-def _dequant_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """f32 [N, K] from one expert's codes [N, K] and 128x128 scales [N/128, K/128]."""
-    N, K = q.shape
-    return q.float().view(N // _BLOCK, _BLOCK, K // _BLOCK, _BLOCK).mul_(s[:, None, :, None]).view(N, K)
-
-
-def _quant_dequant_rows(v: torch.Tensor) -> torch.Tensor:
-    """f32 [rows, K]: v through the 1x128 activation quantizer (reference.quant_fp8_ref) and back."""
-    q, s = R.quant_fp8_ref(v)
-    rows, K = v.shape
-    return q.float().view(rows, K // _BLOCK, _BLOCK).mul_(s[:, :, None]).view(rows, K)
-
-
-def _reference_layer(x, ids, weights, w13, w13_scale, w2, w2_scale) -> torch.Tensor:
-    """bf16 [T, H]: the math of reference.fused_moe_routed_ref (activations quantized 1x128 as
-    permute_quant / silu_mul_quant do, GEMM outputs rounded to bf16, SwiGLU and the weighted sum in
-    f32), computed per touched expert with IEEE f32 matmuls on the GPU: only the touched experts'
-    weights are dequantized, one expert at a time (the exact 128-wide block sums of
-    grouped_gemm_fp8_ref differ by f32 rounding only, and would take minutes at this size)."""
-    T, H = x.shape
-    k, inter = ids.shape[1], w2.shape[2]
-    xd = _quant_dequant_rows(x)
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
-    prec = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        start = 0
-        for e, n in enumerate(counts):
-            sel = order[start : start + n]
-            start += n
-            if n == 0:
-                continue
-            h = (xd[sel // k] @ _dequant_weight(w13[e], w13_scale[e]).t()).to(torch.bfloat16).float()
-            a2 = _quant_dequant_rows(torch.nn.functional.silu(h[:, :inter]) * h[:, inter:])
-            y[sel] = (a2 @ _dequant_weight(w2[e], w2_scale[e]).t()).to(torch.bfloat16).float()
-    finally:
-        torch.set_float32_matmul_precision(prec)
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    y = y.view(T, k, H)
-    for j in range(k):
-        out = out + weights[:, j, None] * y[:, j]
-    return out.to(torch.bfloat16)
 
 
 def _torch_route(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -268,7 +203,7 @@ def _full_size_deepseek_v3() -> tuple[int, int]:
     from .timing import Timer  # noqa: PLC0415 (CUDA only)
 
     E, H, I, k = FULL_E, FULL_H, FULL_I, FULL_K
-    expert_bytes = 3 * H * I + 4 * (2 * I // _BLOCK * H // _BLOCK + H // _BLOCK * I // _BLOCK)  # codes + scales
+    expert_bytes = 3 * H * I + 4 * (2 * I // R.BLOCK * H // R.BLOCK + H // R.BLOCK * I // R.BLOCK)  # codes + scales
     fp8_bytes, bf16_bytes = E * expert_bytes, E * 3 * H * I * 2
     print(f"\nDeepSeek-V3 MoE layer at full size: E={E} H={H} I={I} k={k} groups {FULL_N_GROUP}/{FULL_TOPK_GROUP} "
           f"scaling {FULL_SCALING}, random FP8 weights and 128x128 block scales ({fp8_bytes / 1e9:.1f} GB)")
@@ -278,8 +213,8 @@ def _full_size_deepseek_v3() -> tuple[int, int]:
         print(f"skipped: needs {(fp8_bytes + headroom) / 1e9:.0f} GB of free GPU memory, {free / 1e9:.0f} GB free")
         return 0, 0
     g = torch.Generator(device="cuda").manual_seed(2024)
-    w13, w13_scale = _random_fp8_experts(E, 2 * I, H, g)
-    w2, w2_scale = _random_fp8_experts(E, H, I, g)
+    w13, w13_scale = random_fp8_experts(E, 2 * I, H, g)
+    w2, w2_scale = random_fp8_experts(E, H, I, g)
     bias = 0.1 * torch.randn(E, generator=g, device="cuda")
     skew = torch.randn(E, generator=g, device="cuda")  # per-expert logit offset: uneven expert loads
     timer = Timer()
@@ -294,8 +229,8 @@ def _full_size_deepseek_v3() -> tuple[int, int]:
         b13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device="cuda")
         b2 = torch.empty(E, H, I, dtype=torch.bfloat16, device="cuda")
         for e in range(E):
-            b13[e] = _dequant_weight(w13[e], w13_scale[e])
-            b2[e] = _dequant_weight(w2[e], w2_scale[e])
+            b13[e] = R.dequant_block_128x128_ref(w13[e], w13_scale[e])
+            b2[e] = R.dequant_block_128x128_ref(w2[e], w2_scale[e])
         baseline, baseline_name, baseline_desc = _BASELINES[0 if hasattr(torch, "_grouped_mm") else 1]
 
     def layer(x, logits):
@@ -320,7 +255,7 @@ def _full_size_deepseek_v3() -> tuple[int, int]:
         ref = None
         try:
             out = layer(x, logits)
-            ref = _reference_layer(x, ids, weights, w13, w13_scale, w2, w2_scale)
+            ref = reference_moe(x, ids, weights, w13, w13_scale, w2, w2_scale)
             rel = _rel_l2(out.float(), ref.float())
             ok = rel <= FULL_TOL and bool(torch.isfinite(out.float()).all())
             timing = perf(timer.graph_us(lambda: layer(x, logits), _TIMED_REPS), touched * expert_bytes)

@@ -179,7 +179,10 @@ def quant_block_128x128_ref(w: torch.Tensor):
 
 def dequant_block_128x128_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Inverse of quant_block_128x128_ref: f32 [.., N, K] = f32(q) * block scale."""
-    N = q.shape[-2]
+    *lead, N, K = q.shape
+    if N % BLOCK == 0 and K % BLOCK == 0:  # whole blocks: the scales broadcast, never expanded
+        blocks = q.float().reshape(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        return (blocks * scale.float()[..., :, None, :, None]).reshape(*lead, N, K)
     s = scale.float().repeat_interleave(BLOCK, dim=-2)[..., :N, :].repeat_interleave(BLOCK, dim=-1)
     return q.float() * s
 
