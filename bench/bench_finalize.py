@@ -3,11 +3,13 @@ bandwidth, and the plain-PyTorch reference composition on CUDA tensors in the sa
 
     python bench/bench_finalize.py [--json PATH]
 
-The kernels are called through their launch functions (``finalize_cuda``,
-``moe_reduce_cuda``). Bytes counted minimally: finalize reads the k named rows of y
-(DeepSeek-V3 shape: E=256, k=8, H=7168, rows from align_ref on random top-k ids),
-the k indices and weights per token, and writes one bf16 row; moe_reduce reads
-[T, k, H] and the weights and writes [T, H].
+The kernels are called through the functional API (``cute_moe.finalize``, ``cute_moe.moe_reduce``:
+the op's checks on the host, then its launch function; a graph replay runs the kernel alone).
+Bytes counted minimally: finalize reads the k named rows of y (DeepSeek-V3 shape: E=256, k=8,
+H=7168, rows from align_ref on random top-k ids), the k indices and weights per token, and writes
+one bf16 row; moe_reduce reads [T, k, H] and the weights and writes [T, H].
+``bench_small_kernels.py`` times the same cases (these functions) at Qwen3-235B's shape too,
+beside every other small kernel.
 """
 from __future__ import annotations
 
@@ -18,30 +20,56 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cute_moe.kernels.finalize import finalize_cuda  # noqa: E402
-from cute_moe.kernels.moe_reduce import moe_reduce_cuda  # noqa: E402
+import cute_moe  # noqa: E402
 from cute_moe.reference import align_ref, finalize_ref, moe_reduce_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
 from bench_io import default_json, write_json  # noqa: E402
 
 H, K, E = 7168, 8, 256
-TOKENS = (1, 128, 4096, 16384)
+TOKENS = (1, 16, 128, 1024, 4096, 16384)
 
 
-def _finalize_inputs(t: int):
-    ids = torch.rand(t, E, device="cuda").argsort(dim=1)[:, :K].to(torch.int32)
-    _, r2t, t2r, _ = align_ref(ids, E, 128)
-    y = torch.randn(r2t.shape[0], H, device="cuda", dtype=torch.bfloat16)
-    w = torch.rand(t, K, device="cuda")
-    nbytes = int((t2r >= 0).sum()) * H * 2 + t * K * 8 + t * H * 2
-    return (y, w, t2r), nbytes
+def random_routing(t: int, e: int, k: int, device: str = "cuda"):
+    """align_ref's (expert_offsets, row_to_token, token_to_row, counts) for uniform random top-k ids
+    (k distinct experts of e per token), segments padded to 128 rows."""
+    ids = torch.rand(t, e, device=device).argsort(dim=1)[:, :k].to(torch.int32)
+    return align_ref(ids, e, 128)
 
 
-def _moe_reduce_inputs(t: int, dtype: torch.dtype):
-    hidden = torch.randn(t, K, H, device="cuda", dtype=dtype)
-    w = torch.rand(t, K, device="cuda")
-    e = hidden.element_size()
-    return (hidden, w), t * K * H * e + t * K * 4 + t * H * e
+def finalize_bytes(t: int, h: int, k: int, routed_rows: int) -> int:
+    """The routed rows of y (bf16) and each token's k int32 rows and k f32 weights read; one bf16 row
+    per token written."""
+    return routed_rows * h * 2 + t * k * 8 + t * h * 2
+
+
+def moe_reduce_bytes(t: int, k: int, h: int, elem_size: int) -> int:
+    """hidden [T, k, H] and the f32 weights [T, k] read; [T, H] written, in hidden's dtype."""
+    return t * k * h * elem_size + t * k * 4 + t * h * elem_size
+
+
+def finalize_case(routing, h: int):
+    """(bytes, cute_moe's call, the plain-PyTorch call) of finalize on ``routing`` (random_routing's, on
+    its device): y [M_cap, H] bf16 and f32 weights, random."""
+    _, row_to_token, token_to_row, _ = routing
+    t, k = token_to_row.shape
+    y = torch.randn(row_to_token.shape[0], h, device=token_to_row.device, dtype=torch.bfloat16)
+    w = torch.rand(t, k, device=token_to_row.device)
+    nbytes = finalize_bytes(t, h, k, int((token_to_row >= 0).sum()))
+    return nbytes, lambda: cute_moe.finalize(y, w, token_to_row), lambda: finalize_ref(y, w, token_to_row)
+
+
+def moe_reduce_cases(t: int, k: int, h: int, device: str = "cuda") -> dict:
+    """fp32_acc -> (bytes, cute_moe's call, the plain-PyTorch call) of moe_reduce on one bf16 hidden
+    [T, k, H]; the plain composition accumulates in f32 both ways."""
+    hidden = torch.randn(t, k, h, device=device, dtype=torch.bfloat16)
+    w = torch.rand(t, k, device=device)
+    nbytes = moe_reduce_bytes(t, k, h, hidden.element_size())
+
+    def case(fp32_acc: bool):
+        ours = lambda: cute_moe.moe_reduce(hidden, w, fp32_acc=fp32_acc)  # noqa: E731
+        return nbytes, ours, lambda: moe_reduce_ref(hidden, w, True)
+
+    return {fp32_acc: case(fp32_acc) for fp32_acc in (True, False)}
 
 
 def main() -> None:
@@ -50,24 +78,22 @@ def main() -> None:
     args = parser.parse_args()
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
-    cases = [("finalize", t, None) for t in TOKENS]
-    cases += [("moe_reduce", t, acc) for t in TOKENS for acc in (True, False)]
     rows = []
-    for op, t, fp32_acc in cases:
-        if op == "finalize":
-            inputs, nbytes = _finalize_inputs(t)
-            ours, plain = (lambda: finalize_cuda(*inputs)), (lambda: finalize_ref(*inputs))
-        else:
-            inputs, nbytes = _moe_reduce_inputs(t, torch.bfloat16)
-            ours = lambda: moe_reduce_cuda(*inputs, fp32_acc)  # noqa: E731
-            plain = lambda: moe_reduce_ref(*inputs, True)  # noqa: E731
+
+    def row(op, t, fp32_acc, nbytes, ours, plain):
         us = timer.graph_us(ours)
         rows.append({
             "op": op, "T": t, "H": H, "k": K, "fp32_acc": fp32_acc, "us": us, "bytes": nbytes,
             "gbs": nbytes / us / 1e3, "pct_copy": 100 * nbytes / us / 1e3 / copy_gbs,
             "torch_us": timer.graph_us(plain),
         })  # fmt: skip
-        del inputs
+
+    for t in TOKENS:
+        row("finalize", t, None, *finalize_case(random_routing(t, E, K), H))
+        torch.cuda.empty_cache()
+    for t in TOKENS:
+        for fp32_acc, case in moe_reduce_cases(t, K, H).items():
+            row("moe_reduce", t, fp32_acc, *case)
         torch.cuda.empty_cache()
     print(f"device: {torch.cuda.get_device_name()}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
     print(f"{'op':>10} {'acc':>5} {'T':>6} {'us':>9} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")

@@ -40,10 +40,10 @@ Counting: FLOPs = 2 * routed rows * N * K (padding rows excluded), for every imp
 scales), the *touched* experts' weights (codes + scales; bf16 for the bf16 peer) and the routed
 rows' bf16 output (padding rows excluded, as in the FLOPs; before session 14 they were counted);
 ``w GB/s`` is the touched weights alone (the decode figure of merit, against the copy bandwidth
-measured in the same run).  Time: median device time of a
+measured in the same run).  Time (``Timer.time_us``): median device time of a
 CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls
-(``Timer.kernel_us``) for a peer that cannot be captured.  Random data (routing included) is
-seeded by the shape's name: the same in every run and process.
+(``Timer.kernel_us``) for a peer that cannot be captured (the row's ``timing``: graph / eager).
+Random data (routing included) is seeded by the shape's name: the same in every run and process.
 """
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ from dataclasses import dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cute_moe.reference import align_ref  # noqa: E402
+from cute_moe.reference import align_ref, dequant_block_128x128_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
-from bench_io import default_json, write_json  # noqa: E402
+from bench_io import default_json, pyplot, write_json  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -177,12 +177,6 @@ def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s.float().repeat_interleave(BLOCK, dim=1)
 
 
-def _dequant_block(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """f32 [N, K] from codes and 128x128 scales [ceil(N/128), K/128]."""
-    n = q.shape[0]
-    return q.float() * s.float().repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)
-
-
 def _rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
@@ -208,7 +202,7 @@ def probe_scaled_mm_blockwise():
     M, N, K = 256, 384, 512
     a, b = _rand_fp8(M, K), _rand_fp8(N, K)
     sa, sb = _rand_scales(M, K // BLOCK, scale=1.0), _rand_scales(N // BLOCK, K // BLOCK, scale=1.0)
-    want = _dequant_rows(a, sa) @ _dequant_block(b, sb).t()
+    want = _dequant_rows(a, sa) @ dequant_block_128x128_ref(b, sb).t()
     errors = []
     for i, (label, make) in enumerate(SCALED_MM_LAYOUTS):
         try:
@@ -268,22 +262,14 @@ def probe_grouped_mm():
 # ----------------------------------------------------------------------------- one row per (shape, impl)
 
 
-def _time(timer: Timer, fn, reps: int):
-    """(µs, 'graph' | 'events'): a CUDA-graph replay when fn can be captured, else eager event timing."""
-    try:
-        return timer.graph_us(fn, reps), "graph"
-    except Exception:  # noqa: BLE001 (capture refused: fall back to eager timing)
-        torch.cuda.synchronize()
-        return timer.kernel_us(fn, reps), "events"
-
-
 def _spot_check(c: torch.Tensor, p: Problem) -> float:
     """Relative L2 error of up to 128 rows of up to 3 non-empty experts against dequantized f32."""
     offs, worst = p.offsets.tolist(), 0.0
     experts = [e for e, n in enumerate(p.counts) if n][:3]
     for e in experts:
         lo, n = offs[e], min(p.counts[e], BLOCK)
-        want = _dequant_rows(p.a[lo : lo + n], p.a_scale[lo : lo + n]) @ _dequant_block(p.b[e], p.b_scale[e]).t()
+        b_e = dequant_block_128x128_ref(p.b[e], p.b_scale[e])
+        want = _dequant_rows(p.a[lo : lo + n], p.a_scale[lo : lo + n]) @ b_e.t()
         worst = max(worst, _rel_l2(c[lo : lo + n], want))
     return worst
 
@@ -310,19 +296,19 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
         fn = impls["cute_moe"]
         args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
         note = f"spot-check rel L2 {_spot_check(fn(*args), p):.1e}"
-        us, how = _time(timer, lambda: fn(*args), reps)
+        us, how = timer.time_us(lambda: fn(*args), reps)
         row("cute_moe", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, note)
 
     if "cute_moe_unscaled" in impls:
         fn = impls["cute_moe_unscaled"]
         args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets)
-        us, how = _time(timer, lambda: fn(*args), reps)
+        us, how = timer.time_us(lambda: fn(*args), reps)
         row("cute_moe_unscaled", us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, "no scale promotion")
 
     for impl in ("cute_moe_pairs_n", "cute_moe_pairs_m"):
         if impl in impls:
             args = (p.a, p.a_scale, p.b, p.b_scale, p.offsets, p.expert_counts)
-            us, how = _time(timer, lambda: impls[impl](*args), reps)
+            us, how = timer.time_us(lambda: impls[impl](*args), reps)
             row(impl, us, how, flops, w_fp8, act_bytes + w_fp8 + out_bytes, "cluster direction forced")
 
     if "cublas_block" in impls:
@@ -335,8 +321,8 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
             scale_a, scale_b = SCALED_MM_LAYOUTS[scaled_mm_layout][1](sa_d, p.b_scale[0])
             b_t = p.b[0].t()
             try:
-                us, how = _time(timer, lambda: torch._scaled_mm(a_d, b_t, scale_a=scale_a, scale_b=scale_b,
-                                                                   out_dtype=torch.bfloat16), reps)  # fmt: skip
+                us, how = timer.time_us(lambda: torch._scaled_mm(a_d, b_t, scale_a=scale_a, scale_b=scale_b,
+                                                                 out_dtype=torch.bfloat16), reps)  # fmt: skip
                 w_bytes = N * K + 4 * _cdiv(N, BLOCK) * kb
                 row("cublas_block", us, how, 2 * m * N * K, w_bytes, m * (K + 4 * kb) + w_bytes + m * N * 2,
                     f"dense M={m}, one expert's weight")
@@ -352,8 +338,8 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
             sb_r = _rand_scales(s.E, N, scale=1e-4)
             b_t = p.b.transpose(-2, -1)
             try:
-                us, how = _time(timer, lambda: torch._scaled_grouped_mm(p.a, b_t, sa_r, sb_r, offs=ends,
-                                                                          out_dtype=torch.bfloat16), reps)  # fmt: skip
+                us, how = timer.time_us(lambda: torch._scaled_grouped_mm(p.a, b_t, sa_r, sb_r, offs=ends,
+                                                                        out_dtype=torch.bfloat16), reps)  # fmt: skip
                 w_bytes = p.touched * (N * K + 4 * N)
                 row("scaled_grouped", us, how, flops, w_bytes, p.routed_rows * (K + 4) + w_bytes + out_bytes,
                     "rowwise scales")
@@ -369,7 +355,8 @@ def bench_shape(timer: Timer, p: Problem, impls: dict, scaled_mm_layout, reps: i
                 a16 = p.a.to(torch.bfloat16)
                 b16 = p.b.to(torch.bfloat16)
                 b16_t = b16.transpose(-2, -1)
-                us, how = _time(timer, lambda: torch._grouped_mm(a16, b16_t, offs=ends, out_dtype=torch.bfloat16), reps)
+                gemm = lambda: torch._grouped_mm(a16, b16_t, offs=ends, out_dtype=torch.bfloat16)  # noqa: E731
+                us, how = timer.time_us(gemm, reps)
                 w_bytes = p.touched * N * K * 2
                 row("bf16_grouped", us, how, flops, w_bytes, p.routed_rows * K * 2 + w_bytes + out_bytes)
                 del a16, b16, b16_t
@@ -396,13 +383,8 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
 
 
 def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415 (optional dependency: the bench extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed (pip install 'cute_moe[bench]'): no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     impls = [i for i in IMPLS if any(r["impl"] == i and r["us"] is not None for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(16, 6))

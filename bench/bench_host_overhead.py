@@ -1,7 +1,7 @@
 """Eager host overhead of every op at decode size: mean wall time per call of
 ``torch.ops.cute_moe.<op>`` on the host, with inputs so small that the GPU keeps up.
 
-    python bench/bench_host_overhead.py [--calls N]
+    python bench/bench_host_overhead.py [--calls N] [--rounds N] [--json PATH]
 
 DeepSeek-V3 shapes at T=1 (H=7168, E=256, k=8, I=2048); the KV fill is a decode step of B=1.
 grouped_gemm_fp8 and grouped_gemm_fp8_swiglu run on a small problem (K=512, N=256): at
@@ -16,12 +16,14 @@ and off (``launch_memo.set_enabled``), back to back; the table gives each path's
 rounds (this host's timings drift by tens of percent between runs).  "Off" still passes each call
 through the memo's dispatcher kernel and compiled-kernel wrapper, so it is somewhat slower than the
 ops' Python path was before the memo (the memo's gain is overstated by that much).  ``fused_moe (small)`` is a
-whole eager layer at T=1 (H=512, I=256, E=16, top-4): its seven steps through the memo.
+whole eager layer at T=1 (H=512, I=256, E=16, top-4): its seven steps through the memo;
+``fused_moe_routed (small)`` the same layer from top-k ids and weights (route's, computed once):
+its six steps from align on.
 
 Each row also gives the op's GPU time per call (back-to-back in a CUDA graph): a host time at or
 below it would be the GPU's pace, not the host's, and is marked ``(GPU-bound)``.  For scale, the
 same run times one ``torch.empty`` and one native eager op (``torch.add`` of two small tensors,
-allocation and launch included) on the GPU.
+allocation and launch included) on the GPU.  The JSON file holds the table's rows.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.timing import Timer, host_us_per_call  # noqa: E402
+from bench_io import default_json, write_json  # noqa: E402
 
 import cute_moe  # noqa: E402  (registers torch.ops.cute_moe)
 from cute_moe import launch_memo  # noqa: E402
@@ -48,16 +51,17 @@ class _Direct:
         return lambda *args: cute_moe.ops.call(name, *args)
 
 
-def cases(ops=None):
-    """op name -> a decode-size call; ``ops``: ``torch.ops.cute_moe`` (default) or ``_Direct()``."""
+def cases(ops=None, dev: str = "cuda"):
+    """op name -> a decode-size call; ``ops``: ``torch.ops.cute_moe`` (default) or ``_Direct()``; ``dev``:
+    the tensors' device (the CPU tests call each case once on "cpu", where the ops run their references)."""
     ops = torch.ops.cute_moe if ops is None else ops
-    dev = "cuda"
     x = torch.randn(1, H, device=dev, dtype=torch.bfloat16)
     logits = torch.randn(1, E, device=dev)
     bias = torch.randn(E, device=dev)
     ids, w = ops.route(logits, K, "deepseek_v3", bias, 8, 4, 2.5)
     off, r2t, t2r, counts = ops.align(ids, E, 128, 0, None)
     a, _ = ops.permute_quant(x, r2t, off, None)
+    x_fp8, x_fp8_s = ops.quant_fp8(x, 128, None, False)
     h = torch.randn(a.shape[0], 2 * INTER, device=dev, dtype=torch.bfloat16)
     a2, a2_s = ops.silu_mul_quant(h, off, True, None)
     a_small, a_small_s = ops.permute_quant(x[:, :512].contiguous(), r2t, off, None)
@@ -74,8 +78,8 @@ def cases(ops=None):
     v_new = torch.randn(1, 8, 128, device=dev, dtype=torch.bfloat16)
     w13, w13_s = quant_block_128x128_ref(torch.randn(16, 512, 512, device=dev) * 0.05)
     w2, w2_s = quant_block_128x128_ref(torch.randn(16, 512, 256, device=dev) * 0.05)
-    small_layer = (torch.randn(1, 512, device=dev, dtype=torch.bfloat16), torch.randn(1, 16, device=dev),
-                   w13, w13_s, w2, w2_s)  # fmt: skip
+    x_small, logits_small = torch.randn(1, 512, device=dev, dtype=torch.bfloat16), torch.randn(1, 16, device=dev)
+    ids_small, w_small = ops.route(logits_small, 4, "softmax", None, 1, 1, 1.0)
     cu = torch.tensor([0, 1], device=dev, dtype=torch.int32)
     kv_len = torch.tensor([5], device=dev, dtype=torch.int32)
     blocks = torch.arange(4, device=dev, dtype=torch.int32).view(1, 4)
@@ -86,6 +90,7 @@ def cases(ops=None):
         "route": lambda: ops.route(logits, K, "deepseek_v3", bias, 8, 4, 2.5),
         "align": lambda: ops.align(ids, E, 128, 0, None),
         "permute_quant": lambda: ops.permute_quant(x, r2t, off, None),
+        "permute": lambda: ops.permute(x_fp8, x_fp8_s, r2t, off),
         "grouped_gemm_fp8": lambda: ops.grouped_gemm_fp8(a_small, a_small_s, b_small, b_small_s, off, counts),
         "silu_mul_quant": lambda: ops.silu_mul_quant(h, off, True, None),
         # at T=1 one kernel: the 128-wide SwiGLU GEMM (the GEMM and silu_mul_quant's kernels before session 29)
@@ -95,14 +100,36 @@ def cases(ops=None):
         "moe_reduce": lambda: ops.moe_reduce(hidden, w, False),
         "fill_kv_cache_fp8": lambda: ops.fill_kv_cache_fp8(k_new, v_new, kc, vc, ksc, vsc, cu, kv_len, blocks,
                                                            128, None, "bshd"),  # fmt: skip
-        "fused_moe (small)": lambda: ops.fused_moe(*small_layer, 4, "softmax"),
+        "fused_moe (small)": lambda: ops.fused_moe(x_small, logits_small, w13, w13_s, w2, w2_s, 4, "softmax"),
+        "fused_moe_routed (small)": lambda: ops.fused_moe_routed(x_small, ids_small, w_small, w13, w13_s, w2, w2_s),
     }
+
+
+def table_rows(best: dict, gpu: dict) -> list[dict]:
+    """One row per op from ``best[op, memo on, path]`` (path 0: torch.ops, 1: functional; the minimum µs
+    over the rounds) and ``gpu[op]`` (µs per call back to back in a graph)."""
+    rows = []
+    for name, gpu_us in gpu.items():
+        on = [best[name, True, p] for p in (0, 1)]
+        off = [best[name, False, p] for p in (0, 1)]
+        rows.append({"op": name, "torch_ops_us": on[0], "functional_us": on[1], "no_memo_torch_ops_us": off[0],
+                     "no_memo_functional_us": off[1], "gpu_us": gpu_us, "gpu_bound": min(on) <= 1.2 * gpu_us})
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'op':>24} {'torch.ops':>10} {'functional':>10} {'no memo: ops':>12} {'functional':>10} {'GPU us':>7}")
+    for r in rows:
+        flag = " (GPU-bound)" if r["gpu_bound"] else ""
+        print(f"{r['op']:>24} {r['torch_ops_us']:>10.1f} {r['functional_us']:>10.1f} "
+              f"{r['no_memo_torch_ops_us']:>12.1f} {r['no_memo_functional_us']:>10.1f} {r['gpu_us']:>7.1f}{flag}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=default_json("bench_host_overhead.json"))
     args = parser.parse_args()
     via_ops, direct = cases(), cases(_Direct())
     timer = Timer()
@@ -116,13 +143,13 @@ def main() -> None:
                     us = host_us_per_call(fn, args.calls)
                     best[name, memo, path] = min(us, best.get((name, memo, path), us))
     launch_memo.set_enabled(True)
-    print(f"launch memo (entries, hits, misses): {launch_memo.stats()}; minimum of {args.rounds} rounds, µs per call")
-    print(f"{'op':>18} {'torch.ops':>10} {'functional':>10} {'no memo: ops':>12} {'functional':>10} {'GPU us':>7}")
-    for name in via_ops:
-        on = [best[name, True, p] for p in (0, 1)]
-        off = [best[name, False, p] for p in (0, 1)]
-        flag = " (GPU-bound)" if min(on) <= 1.2 * gpu[name] else ""
-        print(f"{name:>18} {on[0]:>10.1f} {on[1]:>10.1f} {off[0]:>12.1f} {off[1]:>10.1f} {gpu[name]:>7.1f}{flag}")
+    memo_stats = launch_memo.stats()
+    rows = table_rows(best, gpu)
+    print(f"launch memo (entries, hits, misses): {memo_stats}; minimum of {args.rounds} rounds, µs per call")
+    print_table(rows)
+    write_json(args.json, {"device": torch.cuda.get_device_name(), "calls": args.calls, "rounds": args.rounds,
+                           "launch_memo_stats": memo_stats, "rows": rows})  # fmt: skip
+    print(f"json: {args.json}")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ slot; padding rows excluded). Weight bytes = the *touched* local experts' weight
 scales; bf16 for the bf16 peer): ``w GB/s`` is the decode figure of merit, compared with the
 device-to-device copy bandwidth measured in the same run. The roofline's bytes = touched weights +
 x read + out written (the minimum traffic of a fully fused layer). Time: median device time of a
-CUDA-graph replay, L2 flushed (``Timer.graph_us``); event timing of eager calls when capture fails.
+CUDA-graph replay, L2 flushed; event timing of eager calls when capture fails (``Timer.time_us``).
 Weights (and DeepSeek-V3's score bias) are seeded by the model's name and each T's inputs by T:
 every run routes the same tokens to the same experts.  ``--budget-s`` bounds the wall time: the
 remaining (model, T) pairs are skipped, and say so.
@@ -61,8 +61,9 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, _HERE)
 if os.path.dirname(_HERE) not in sys.path:  # a checkout without pip install -e
     sys.path.insert(1, os.path.dirname(_HERE))
-from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, _time, seed_from  # noqa: E402
-from bench_io import default_json, write_json  # noqa: E402
+from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, seed_from  # noqa: E402
+from bench_io import default_json, parse_tokens, pyplot, write_json  # noqa: E402
+from cute_moe.reference import dequant_block_128x128_ref  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -120,12 +121,6 @@ class Weights:
     b2: Optional[torch.Tensor] = None
 
 
-def _dequant(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """f32 [N, K] from one expert's codes and 128x128 scales."""
-    n = q.shape[0]
-    return q.float() * s.repeat_interleave(BLOCK, dim=0)[:n].repeat_interleave(BLOCK, dim=1)
-
-
 def make_weights(m: Model, rowwise: bool, bf16: bool) -> Weights:
     """Random FP8 block weights (values ~ N(0, 1/K)), and the peers' copies of the same weights."""
     El, H, I = m.e_local, m.H, m.I
@@ -142,7 +137,7 @@ def make_weights(m: Model, rowwise: bool, bf16: bool) -> Weights:
         w.b2 = torch.empty(El, H, I, dtype=torch.bfloat16, device="cuda")
     for e in range(El if (rowwise or bf16) else 0):
         for q, s, rq, rs, b in ((w13, s13, w.rw13, w.rs13, w.b13), (w2, s2, w.rw2, w.rs2, w.b2)):
-            f = _dequant(q[e], s[e])
+            f = dequant_block_128x128_ref(q[e], s[e])
             if rowwise:
                 scale = f.abs().amax(dim=1).clamp_min(1e-12) / FP8_MAX
                 rq[e] = (f / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -364,7 +359,7 @@ def bench_point(timer, m: Model, w: Weights, T: int, impls: dict, reps: int) -> 
             return
         try:
             outs[impl] = fn().float()
-            us, how = _time(timer, fn, reps)
+            us, how = timer.time_us(fn, reps)
             # an expert-parallel slice that got no routed rows still runs every launch
             row(impl, us, how, w_bytes, "" if slots else "no routed rows on this slice: launches only")
         except Exception as exc:  # noqa: BLE001 (a failing implementation never stops the bench)
@@ -408,13 +403,8 @@ def print_table(rows: list[dict], copy_gbs: float) -> None:
 
 
 def plot(rows: list[dict], copy_gbs: float, path: str, device: str) -> None:
-    try:
-        import matplotlib  # noqa: PLC0415 (optional dependency: the bench extra)
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        print("matplotlib is not installed (pip install 'cute_moe[bench]'): no plot written")
+    plt = pyplot()
+    if plt is None:
         return
     timed = [r for r in rows if r["us"] is not None]
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -461,18 +451,6 @@ def plot(rows: list[dict], copy_gbs: float, path: str, device: str) -> None:
     print(f"plot: {path}")
 
 
-def parse_tokens(arg: Optional[str]) -> tuple[int, ...]:
-    if not arg:
-        return TOKENS
-    try:
-        vals = tuple(int(v) for v in arg.split(",") if v.strip())
-    except ValueError:
-        raise SystemExit(f"--tokens must be comma-separated ints, got {arg!r}") from None
-    if not vals or any(v < 1 for v in vals):
-        raise SystemExit(f"--tokens must be positive ints, got {arg!r}")
-    return vals
-
-
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -486,7 +464,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-time budget; later rows are skipped")
     args = parser.parse_args(argv)
     png = args.png or os.path.splitext(args.json)[0] + ".png"
-    tokens = parse_tokens(args.tokens)
+    tokens = parse_tokens(args.tokens, TOKENS)
     wanted = [i.strip() for i in args.impls.split(",") if i.strip()]
     if bad := [i for i in wanted if i not in IMPLS]:
         raise SystemExit(f"--impls: unknown {bad}, choose from {IMPLS}")

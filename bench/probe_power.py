@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_moe  # noqa: E402
+from bench_io import parse_tokens  # noqa: E402
 
 _QUERY = "clocks.sm,clocks.mem,power.draw"
 _SKIP_S = 1.0  # samples of the first second are dropped: the clock is still settling
@@ -91,7 +92,7 @@ def main() -> None:
     limit, max_sm = _smi("--query-gpu=power.limit,clocks.max.sm", "--format=csv,noheader").split(", ")
     print(f"{torch.cuda.get_device_name()}: power limit {limit}, max SM clock {max_sm}; {m.name}")
     print(f"{'T':>6} {'µs/layer':>9} {'SM MHz: median (min-max)':>26} {'mem MHz':>8} {'W: median (max)':>16} {'mJ/layer':>9}")
-    for T in bench_moe.parse_tokens(args.tokens):
+    for T in parse_tokens(args.tokens, bench_moe.TOKENS):
         x, logits = bench_moe.layer_inputs(m, T)
         layer(x, logits)
         torch.cuda.synchronize()
