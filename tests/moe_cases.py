@@ -73,18 +73,28 @@ def padding_rows(offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.tensor(idx, dtype=torch.long, device=offsets.device)
 
 
-def poison_pools(large_bytes: int, fill: int = 0xFF) -> None:
+def poison_pools(large_bytes: int, fill: int = 0xFF, small_chunk: int = 1 << 19) -> None:
     """Fill the caching allocator's free memory with 0xFF (NaN for f32; or ``fill``), in both of
     its pools.
 
     ``gpu_helpers.poison_allocator`` poisons one large block; outputs under 1 MB come
-    from the small pool (2 MB segments), which this poisons too.
+    from the small pool (2 MB segments), which this poisons too, 32 MB in ``small_chunk``-byte
+    pieces: best fit puts a piece in any free fragment at least that big, so an output that is
+    smaller than a fragment left unpoisoned needs a ``small_chunk`` at or below its own size.
     """
     poison_allocator(large_bytes, fill)
-    small = [torch.empty(1 << 19, dtype=torch.uint8, device="cuda") for _ in range(64)]
+    small = [torch.empty(small_chunk, dtype=torch.uint8, device="cuda") for _ in range((32 << 20) // small_chunk)]
     for t in small:
         t.fill_(fill)
     del small
+
+
+def zero_pools_for(out_bytes: int) -> None:
+    """``poison_pools`` with zeros, for an output whose unwritten elements must not pass as NaN:
+    the cache emptied first and the small pool filled in pieces no bigger than the output, so that
+    it cannot land in a fragment left as an earlier test wrote it."""
+    torch.cuda.empty_cache()
+    poison_pools(256 << 20, fill=0, small_chunk=min(1 << 19, 1 << (max(out_bytes, 512).bit_length() - 1)))
 
 
 def same_bits(got: torch.Tensor, want: torch.Tensor) -> bool:

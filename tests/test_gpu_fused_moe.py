@@ -14,14 +14,14 @@ Models, all at full size (routed experts only):
 for T in {0, 1, 5, 256, 4096} tokens (no case skipped: the reference of the largest, DeepSeek-V3
 at T=4096, is ~3e12 f32 FLOPs, well under a second on an H200).
 
-Weights are random FP8 e4m3 codes spanning the whole e4m3 range (N(0, 100) clamped to +-448, as
-amax/448 block scaling leaves a checkpoint) with random 128x128 f32 block scales
-(K^-0.5 / 100 * 10**U(-0.3, 0.3)), built directly on the GPU (DeepSeek-V3: 11.3 GB of codes;
+Weights (``cute_moe.testing.random_fp8_experts``) are random FP8 e4m3 codes spanning the whole
+e4m3 range (N(0, 100) clamped to +-448, as amax/448 block scaling leaves a checkpoint) with random
+128x128 f32 block scales (K^-0.5 / 100 * 10**U(-0.3, 0.3)), built directly on the GPU (DeepSeek-V3: 11.3 GB of codes;
 quantizing bf16 weights would take longer than the test). Hidden states are random with per-row
 magnitudes over one decade and outlier columns; logits carry a per-expert offset, so expert
 loads are ragged and small T leaves most experts empty.
 
-Reference (``reference_moe``): the math of ``reference.fused_moe_routed_ref`` on
+Reference (``cute_moe.testing.reference_moe``): the math of ``reference.fused_moe_routed_ref`` on
 ``reference.route_ref``'s top-k -- activations quantized to e4m3 with 1x128 f32 scales by
 ``reference.quant_fp8_ref`` as ``permute_quant`` / ``silu_mul_quant`` do, GEMM outputs rounded
 to bf16 as the kernel writes them, SwiGLU in f32, the weighted sum in f32 in slot order, one
@@ -41,7 +41,9 @@ each shard against the reference; ``fused_moe_routed`` with the op's own top-k b
 ``fused_moe``), gate_first=False with ue8m0 activation scales, a CUDA graph captured once at
 T = 1, 8, 64 and replayed on new inputs copied into its input buffers (bit-identical to eager),
 ``torch.compile(fullgraph=True, dynamic=True)`` of a module around ``cute_moe.FusedMoE`` (one
-graph for three T, bit-identical to eager), and ``FusedMoE.from_bf16`` on the GPU.
+graph for three T, bit-identical to eager), ``FusedMoE.from_bf16`` on the GPU, and the
+``cute_moe.FusedMoE`` module itself for the four models at every T (built with ``from_fp8`` over the
+same weights, no copy), against the same reference and bounds as ``fused_moe``.
 
 Run time: expected 1-1.5 minutes on an H200 (an estimate, not yet measured: weight generation
 ~2 s, ~20 kernel variants compiled once per process at ~1 s each, inductor ~10-20 s, each T=4096
@@ -51,18 +53,17 @@ cached for the module and are freed at its end).
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import cute_moe
 from cute_moe import FusedMoE
 from cute_moe import reference as R
+from cute_moe.testing import random_fp8_experts, reference_moe
 
 from .moe_cases import poison_pools
 
@@ -77,7 +78,6 @@ FP8 = torch.float8_e4m3fn
 ALIGNMENT = 128  # fused_moe's row alignment (the grouped GEMM's tile M)
 REL_L2 = 1e-2
 TOKEN_REL_L2 = 5e-2
-CODE_STD = 100.0  # std of the random e4m3 codes: the max |code| of a 128x128 block is ~4.2 std ~ 448
 TOKENS = (0, 1, 5, 256, 4096)
 DEVICE = "cuda"  # a module constant: the helpers can be tried on the CPU by hand
 
@@ -108,24 +108,6 @@ MODELS = {
 # ----------------------------------------------------------------------------- weights and inputs
 
 
-def random_fp8_experts(E: int, N: int, K: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes e4m3 [E, N, K], block scales f32 [E, N/128, K/128]) drawn directly on the GPU.
-
-    Codes ~ N(0, CODE_STD) clamped to +-448 (the whole e4m3 range, as amax/448 block scaling
-    leaves a checkpoint), generated in chunks of 2**28 (1 GB of f32); scales put the dequantized
-    weights at std ~K^-0.5 with a per-block spread of 10**U(-0.3, 0.3), so a wrong block scale shows.
-    """
-    assert N % BLOCK == 0 and K % BLOCK == 0
-    codes = torch.empty(E, N, K, dtype=FP8, device=DEVICE)
-    flat = codes.view(-1)
-    step = 1 << 28
-    for i in range(0, flat.numel(), step):
-        n = min(step, flat.numel() - i)
-        flat[i : i + n].copy_(torch.randn(n, generator=g, device=DEVICE).mul_(CODE_STD).clamp_(-448.0, 448.0))
-    spread = torch.pow(10.0, torch.empty(E, N // BLOCK, K // BLOCK, device=DEVICE).uniform_(-0.3, 0.3, generator=g))
-    return codes, spread * (K**-0.5 / CODE_STD)
-
-
 @dataclass
 class Weights:
     w13: torch.Tensor  # e4m3 [E, 2I, H], gate rows first
@@ -144,8 +126,8 @@ def weights(key: str) -> Weights:
     if key not in _WEIGHTS:
         m = MODELS[key]
         g = torch.Generator(device=DEVICE).manual_seed(sum(map(ord, key)))
-        w13, s13 = random_fp8_experts(m.E, 2 * m.I, m.H, g)
-        w2, s2 = random_fp8_experts(m.E, m.H, m.I, g)
+        w13, s13 = random_fp8_experts(m.E, 2 * m.I, m.H, g, DEVICE)
+        w2, s2 = random_fp8_experts(m.E, m.H, m.I, g, DEVICE)
         bias = 0.1 * torch.randn(m.E, generator=g, device=DEVICE) if m.has_bias else None
         skew = torch.randn(m.E, generator=g, device=DEVICE)
         _WEIGHTS[key] = Weights(w13, s13, w2, s2, bias, skew)
@@ -188,72 +170,6 @@ def route_ref(m: Model, w: Weights, logits):
 
 
 # ----------------------------------------------------------------------------- the reference
-
-
-@contextlib.contextmanager
-def ieee_f32_matmul():
-    """f32 matmuls in full f32 (no TF32), whatever the session set."""
-    prev = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(prev)
-
-
-def dequant_weight(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """f32 [N, K] from one expert's e4m3 codes [N, K] and 128x128 scales [N/128, K/128]."""
-    N, K = q.shape
-    return q.float().view(N // BLOCK, BLOCK, K // BLOCK, BLOCK).mul_(s[:, None, :, None]).view(N, K)
-
-
-def quant_dequant_rows(v: torch.Tensor, scale_fmt: Optional[str]) -> torch.Tensor:
-    """f32 [rows, K]: ``v`` through the 1x128 activation quantizer (``reference.quant_fp8_ref``) and back."""
-    q, s = R.quant_fp8_ref(v, BLOCK, scale_fmt)
-    rows, K = v.shape
-    return q.float().view(rows, K // BLOCK, BLOCK).mul_(s[:, :, None]).view(rows, K)
-
-
-def reference_moe(x, topk_ids, topk_weights, w13, s13, w2, s2, *, expert_offset: int = 0,
-                  gate_first: bool = True, act_scale_fmt: Optional[str] = None,
-                  apply_router_weight_on_input: bool = False) -> torch.Tensor:  # fmt: skip
-    """bf16 [T, H]: the layer of ``reference.fused_moe_routed_ref`` (see the module docstring), per
-    touched local expert, dequantizing only those experts' weights, one expert at a time."""
-    T, H = x.shape
-    k = topk_ids.shape[1]
-    e_local, inter = w13.shape[0], w13.shape[1] // 2
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out.to(torch.bfloat16)
-    if apply_router_weight_on_input:  # slot (t, j) sees x[t] * bf16(w[t, j]); its output is unweighted
-        scaled = (x[:, None, :] * topk_weights.to(x.dtype)[:, :, None]).reshape(T * k, H)
-        xd, per_slot = quant_dequant_rows(scaled, act_scale_fmt), True
-        topk_weights = torch.ones_like(topk_weights)
-    else:
-        xd, per_slot = quant_dequant_rows(x, act_scale_fmt), False
-    local = topk_ids.reshape(-1).long() - expert_offset
-    key = torch.where((local >= 0) & (local < e_local), local, e_local)  # e_local = not local
-    order = torch.argsort(key, stable=True)  # slots t*k + j grouped by local expert
-    counts = torch.zeros(e_local + 1, dtype=torch.long, device=x.device)
-    counts = counts.scatter_add_(0, key, torch.ones_like(key)).tolist()
-    y = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)  # GEMM2 output per slot (0: not local)
-    start = 0
-    with ieee_f32_matmul():
-        for e in range(e_local):
-            sel = order[start : start + counts[e]]
-            start += counts[e]
-            if sel.numel() == 0:
-                continue
-            rows = xd[sel] if per_slot else xd[sel // k]
-            h = (rows @ dequant_weight(w13[e], s13[e]).t()).to(torch.bfloat16).float()
-            first, second = h[:, :inter], h[:, inter:]
-            gate, up = (first, second) if gate_first else (second, first)
-            a2 = quant_dequant_rows(F.silu(gate) * up, act_scale_fmt)
-            y[sel] = (a2 @ dequant_weight(w2[e], s2[e]).t()).to(torch.bfloat16).float()
-    y = y.view(T, k, H)
-    for j in range(k):  # f32, in slot order, as finalize
-        out = out + topk_weights[:, j, None].float() * y[:, j]
-    return out.to(torch.bfloat16)
 
 
 def layer_reference(m: Model, w: Weights, x, logits, *, experts: slice = slice(None), expert_offset: int = 0,
@@ -321,8 +237,8 @@ def test_reference_moe_matches_the_cute_moe_reference():
     128-wide block sums) on a small layer, whole and as an expert-parallel shard."""
     g = torch.Generator(device=DEVICE).manual_seed(7)
     E, H, I, k, T = 8, 256, 384, 2, 37
-    w13, s13 = random_fp8_experts(E, 2 * I, H, g)
-    w2, s2 = random_fp8_experts(E, H, I, g)
+    w13, s13 = random_fp8_experts(E, 2 * I, H, g, DEVICE)
+    w2, s2 = random_fp8_experts(E, H, I, g, DEVICE)
     x = (torch.randn(T, H, generator=g, device=DEVICE) * 3).to(torch.bfloat16)
     ids, wts = R.route_ref(torch.randn(T, E, generator=g, device=DEVICE), k, "renormalize")
     for sl, off in ((slice(None), 0), (slice(3, 7), 3)):
@@ -348,6 +264,37 @@ def test_fused_moe_matches_reference(model: str, T: int):
     out = run_layer(m, w, x, logits)
     assert out.shape == (T, m.H) and out.dtype == torch.bfloat16
     check_layer(out, ref, f"{m.name} T={T}", route_diag(m, w, logits))
+
+
+def fused_moe_module(m: Model, w: Weights) -> FusedMoE:
+    """The model's layer as a cute_moe.FusedMoE over the weights ``w`` (from_fp8 keeps contiguous
+    tensors as they are: the buffers are the same storage, checked, so DeepSeek-V3's 11.3 GB of
+    codes are not copied)."""
+    layer = FusedMoE.from_fp8(w.w13, w.s13, w.w2, w.s2, top_k=m.top_k, num_experts=m.E, routing_method=m.routing,
+                              n_group=m.n_group, topk_group=m.topk_group, routed_scaling_factor=m.scaling,
+                              score_bias=w.bias)  # fmt: skip
+    assert layer.w13.data_ptr() == w.w13.data_ptr() and layer.w2.data_ptr() == w.w2.data_ptr()
+    return layer
+
+
+@pytest.mark.parametrize("T", TOKENS)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_fused_moe_module_matches_reference(model: str, T: int):
+    """cute_moe.FusedMoE's forward for each model (its routing method, groups, score bias, scaling
+    and Llama-4's input-side router weight are the module's defaults for those options, as
+    fused_moe's) against the reference of the layer, with the bounds of
+    test_fused_moe_matches_reference; fresh inputs (other seeds than that test's).  For even T > 0
+    the hidden states come as [2, T/2, H] with logits [2, T/2, E] (a model's [batch, seq, H]): the
+    module flattens the leading dims and gives them back."""
+    m, w = MODELS[model], weights(model)
+    layer = fused_moe_module(m, w)
+    x, logits = make_inputs(m, w, T, seed=1000 * T + sum(map(ord, model)) + 77)
+    ref = layer_reference(m, w, x, logits)
+    lead = (2, T // 2) if T and T % 2 == 0 else (T,)
+    poison_for_layer(T, m.top_k, m.E, m.H, m.I)
+    out = layer(x.view(*lead, m.H), logits.view(*lead, m.E))
+    assert out.shape == (*lead, m.H) and out.dtype == torch.bfloat16
+    check_layer(out.reshape(T, m.H), ref, f"FusedMoE {m.name} T={T}", route_diag(m, w, logits))
 
 
 @pytest.mark.parametrize("T", [1, 256])

@@ -48,7 +48,7 @@ from cute_moe.reference import align_ref, grouped_gemm_fp8_ref, quant_block_128x
 
 from cute_moe.kernels.grouped_gemm_schedule import cluster_along_m, wide_tile
 
-from .moe_cases import poison_pools
+from .moe_cases import poison_pools, zero_pools_for
 
 gg = pytest.importorskip("cute_moe.kernels.grouped_gemm_sm90")
 
@@ -374,6 +374,7 @@ def test_grouped_gemm_fp8_with_expert_counts_ignores_padding_garbage(case, varia
     garbage[:, ::7] = 0x7F  # e4m3 NaN
     p.a.view(torch.uint8)[pad] = garbage
     p.a_scale[pad] = float("nan")
+    poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))  # a real row left unwritten reads NaN
     c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
     rows = real.nonzero().flatten()
     got, ref = c[rows].float(), want[rows].float()
@@ -386,6 +387,7 @@ def test_grouped_gemm_fp8_op_runs_this_kernel():
     rows it defines: the 128 rows past the last segment are unspecified, fresh memory each call)."""
     p = make_problem(8, 512, 2048, routing_from_counts(deepgemm_counts(8, 300, random.Random(5))), seed=5)
     want = gg.grouped_gemm_fp8_cuda(*p.args())
+    poison_pools(256 << 20)
     got = torch.ops.cute_moe.grouped_gemm_fp8(*p.args())
     check_output(got, p)
     end = p.routing.end
@@ -398,6 +400,7 @@ def test_grouped_gemm_fp8_misaligned_segments_give_nan():
     routing = routing_from_counts([128, 72, 184])  # finite A rows up to 512
     p = make_problem(3, 256, 1024, routing, seed=31)
     p.routing.offsets.copy_(torch.tensor([0, 128, 200, 384], dtype=torch.int32))
+    zero_pools_for(p.a.shape[0] * 256 * 2)  # zeros, not NaN: NaN left in memory would pass unwritten
     c = gg.grouped_gemm_fp8_cuda(*p.args())
     want = grouped_gemm_fp8_ref(p.a[:128], p.a_scale[:128], p.b, p.b_scale,
                                 torch.tensor([0, 128, 128, 128], dtype=torch.int32, device="cuda"))  # fmt: skip
@@ -415,7 +418,7 @@ def test_grouped_gemm_fp8_misaligned_segments_give_nan_with_counts(variant):
     p = make_problem(3, 256, 1024, routing, seed=34)
     p.routing.offsets.copy_(torch.tensor([0, 128, 200, 384], dtype=torch.int32))
     counts = torch.tensor([128, 40, 100], dtype=torch.int32, device="cuda")
-    poison_pools(256 << 20, fill=0)  # the output (under 1 MB: the small pool) gets zeros, not NaN
+    zero_pools_for(p.a.shape[0] * 256 * 2)  # the output gets zeros, not NaN
     c = gg.grouped_gemm_fp8_cuda(*p.args(), counts, **variant)
     assert bool(c[128:384].isnan().all()), "a misaligned segment's tiles must be NaN"
 
@@ -442,8 +445,10 @@ def test_grouped_gemm_fp8_op_checks_tma_operands_on_cuda():
     with pytest.raises(ValueError, match="cute_moe.grouped_gemm_fp8: b strides must be multiples of 16 bytes"):
         op(p.a, p.a_scale, wide.view(p.b.dtype), p.b_scale, p.routing.offsets)
     as_parameter = torch.nn.Parameter(p.b, requires_grad=False)
-    assert torch.equal(op(p.a, p.a_scale, as_parameter, p.b_scale, p.routing.offsets)[:128],
-                       op(*p.args())[:128])  # fmt: skip
+    poison_pools(256 << 20)
+    got = op(p.a, p.a_scale, as_parameter, p.b_scale, p.routing.offsets)[:128]
+    assert not got.isnan().any(), "unwritten rows"
+    assert torch.equal(got, op(*p.args())[:128])
 
 
 def test_grouped_gemm_fp8_all_experts_empty():
@@ -489,6 +494,9 @@ def test_grouped_gemm_fp8_routing_is_not_compiled_in():
     p.a_scale.copy_(saved_scale)
     p.routing.offsets.copy_(saved_offsets)
     p.routing = Routing(p.routing.offsets, saved_real, m_cap)
+    # Poisoned first: c1 and the output of the second routing are freed or alive, and an unwritten
+    # `again` reusing a buffer that held c1's bits could otherwise pass the comparison below.
+    poison_pools(max(256 << 20, m_cap * N * 2 + (64 << 20)))
     again = gg.grouped_gemm_fp8_cuda(*p.args())
     end = p.routing.end
     assert torch.equal(again[:end].view(torch.int16), c1[:end].view(torch.int16)), "not deterministic"
@@ -496,17 +504,24 @@ def test_grouped_gemm_fp8_routing_is_not_compiled_in():
         assert _cache_size() == size
 
 
-# regime -> (E, N, K, first routing, later routings (same M_cap))
-def _prefill_graph_case(E: int = 8, N: int = 7168, K: int = 2048, expected: int = 512):
+def prefill_graph_routings(E: int, expected: int, seed: int) -> tuple[Routing, list[Routing]]:
+    """(first routing, later routings), all of one M_cap (what a captured graph replays on): DeepGEMM-
+    like counts of ~``expected`` rows per expert, then again, some experts empty, every row on one
+    expert, every expert empty, ragged and fewer."""
     m_cap = E * (_round_up(int(expected * 1.3)) + BLOCK)
     later = [
-        routing_from_counts(deepgemm_counts(E, expected, random.Random(32)), m_cap=m_cap),
-        routing_from_counts(empty_counts(E, expected, random.Random(33)), m_cap=m_cap),
+        routing_from_counts(deepgemm_counts(E, expected, random.Random(seed + 1)), m_cap=m_cap),
+        routing_from_counts(empty_counts(E, expected, random.Random(seed + 2)), m_cap=m_cap),
         routing_from_counts(one_expert_counts(E, 5, m_cap - BLOCK), m_cap=m_cap),
         routing_from_counts([0] * E, m_cap=m_cap),
-        routing_from_counts(deepgemm_counts(E, expected * 4 // 5, random.Random(34)), m_cap=m_cap),
+        routing_from_counts(deepgemm_counts(E, expected * 4 // 5, random.Random(seed + 3)), m_cap=m_cap),
     ]
-    return E, N, K, routing_from_counts(deepgemm_counts(E, expected, random.Random(31)), m_cap=m_cap), later
+    return routing_from_counts(deepgemm_counts(E, expected, random.Random(seed)), m_cap=m_cap), later
+
+
+# regime -> (E, N, K, first routing, later routings (same M_cap))
+def _prefill_graph_case(E: int = 8, N: int = 7168, K: int = 2048, expected: int = 512):
+    return E, N, K, *prefill_graph_routings(E, expected, seed=31)
 
 
 def _decode_graph_case():
@@ -529,6 +544,9 @@ def test_grouped_gemm_fp8_side_stream_and_cuda_graph(regime):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        # Poisoned on the side stream itself: the caching allocator keeps free blocks per stream, so
+        # poison written on the default stream would never reach an allocation made here.
+        poison_pools(max(256 << 20, p.a.shape[0] * N * 2 + (64 << 20)))
         c = gg.grouped_gemm_fp8_cuda(*p.args())
     torch.cuda.current_stream().wait_stream(stream)
     check_output(c, p)

@@ -12,6 +12,10 @@ formula, so in practice 100%) and on 100% token-major, as the FP8 copy of
 all-zero group; nothing left unwritten (outputs come from a poisoned
 allocator).  Rows past ``expert_offsets[-1]`` are unspecified; a direct call on
 pre-poisoned outputs checks the kernels never touch them.
+
+T = 65536 runs for one routing (top-8 of 32 experts) and one H (4096: the codes buffer passes
+2**31 bytes), not the whole cross product; the row-major kernels' grid-stride loop past 65535
+row blocks runs on an M_cap of 65538 blocks at H = 128.  Their memory is stated there.
 """
 import pytest
 import torch
@@ -19,6 +23,7 @@ import torch
 import cute_moe
 from cute_moe.compiler import arch_of_device
 from cute_moe.kernels import permute_quant as permute_quant_module
+from cute_moe.kernels.moe_rows import MAX_GRID_Y, RowGroupKernel
 from cute_moe.kernels.permute_quant import (
     TOKEN_SCALES_MIN_TOKENS,
     compile_permute,
@@ -45,8 +50,9 @@ from .moe_cases import (
 
 pytestmark = pytest.mark.gpu
 
-TOKENS = [1, 7, 128, 4096]  # 4096: scales in two launches (TOKEN_SCALES_MIN_TOKENS)
-HIDDEN = [2048, 7168]
+TOKENS = [1, 7, 128, 4096]  # 4096: scales in two launches (TOKEN_SCALES_MIN_TOKENS); 0 and 65536 below
+HIDDEN = [2048, 4096, 7168]
+BIG_TOKENS, BIG_ROUTING, BIG_HIDDEN = 65536, "ragged", 4096  # M_cap = 528,384 rows
 WAYS = ["row-major", "token-major"]
 
 
@@ -97,6 +103,70 @@ def test_permute_quant(routing, num_tokens, hidden, scale_fmt, way):
     offsets, row_to_token, token_to_row = _maps(routing, num_tokens, seed)
     x = random_activations(num_tokens, hidden, torch.bfloat16, seed=seed)
     _check_quant(way, x, row_to_token, offsets, scale_fmt, token_to_row)
+
+
+def _check_quant_by_blocks(way, x, row_to_token, offsets, token_to_row, block_rows: int = 1 << 16):
+    """_check_quant for a large M_cap: the reference row block by row block (it holds several f32
+    copies of its [rows, H] input), compared as assert_rows_match does: codes identical on >= 99.99%
+    (all of them token-major), scales bit-exact, padding rows zeroed."""
+    m_cap, hidden = row_to_token.shape[0], x.shape[1]
+    poison_pools(m_cap * hidden * 2 + (64 << 20))
+    a, s = _launch(way, x, row_to_token, offsets, None, token_to_row)
+    assert a.shape == (m_cap, hidden) and a.dtype == torch.float8_e4m3fn
+    assert s.shape == (m_cap, hidden // 128) and s.stride() == (1, m_cap)
+    end, mismatches = _end(offsets), 0
+    for lo in range(0, end, block_rows):
+        hi = min(end, lo + block_rows)
+        # rows [lo, hi) all lie before the end: the reference of the slice alone, ending at its last row
+        a_ref, s_ref = permute_quant_ref(x, row_to_token[lo:hi], offsets.new_tensor([0, hi - lo]))
+        mismatches += int((a[lo:hi].view(torch.uint8) != a_ref.view(torch.uint8)).sum())
+        assert same_bits(s[lo:hi], s_ref), f"scales differ in rows [{lo}, {hi})"
+        del a_ref, s_ref
+    allowed = 0 if way == "token-major" else int(1e-4 * end * hidden)
+    assert mismatches <= allowed, f"{mismatches} of {end * hidden} codes differ"
+    _assert_padding_zero(a, s, row_to_token, offsets, None)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_permute_quant_65536_tokens(way):
+    """T = 65536 (issue 5's largest T) for one routing and H only: top-8 of 32 experts (16 K rows per
+    expert, M_cap = 528,384) at H = 4096, so the codes buffer is 2.16 GB, past 2**31 bytes (64-bit
+    row offsets); token-major takes the two-launch scale path.  GPU memory: x 0.5 GB, codes 2.2 GB,
+    the poisoned block 4.3 GB, the reference by blocks of 65536 rows ~4 GB; peak ~11 GB, seconds."""
+    offsets, row_to_token, token_to_row = _maps(BIG_ROUTING, BIG_TOKENS, seed=65536)
+    assert row_to_token.shape[0] * BIG_HIDDEN > 2**31
+    x = random_activations(BIG_TOKENS, BIG_HIDDEN, torch.bfloat16, seed=65536)
+    _check_quant_by_blocks(way, x, row_to_token, offsets, token_to_row)
+
+
+def _past_grid_y_maps(rows_per_cta: int, tokens: int, seed: int):
+    """(M_cap, end, row_to_token, offsets) for the row-major kernels' grid-stride loop: M_cap of
+    MAX_GRID_Y + 3 row blocks, one segment ending a block before M_cap (that block is past the
+    end), rows naming ``tokens`` tokens at random (a token on many rows, as a row-major gather
+    allows), ~1/8 of them padding (-1)."""
+    m_cap = (MAX_GRID_Y + 3) * rows_per_cta
+    end = m_cap - rows_per_cta
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    row_to_token = torch.randint(0, tokens, (m_cap,), generator=g, device="cuda", dtype=torch.int32)
+    row_to_token[torch.rand(m_cap, generator=g, device="cuda") < 0.125] = -1
+    return m_cap, end, row_to_token, torch.tensor([0, end], dtype=torch.int32, device="cuda")
+
+
+def test_permute_quant_more_than_65535_row_blocks():
+    """Row-major, M_cap of MAX_GRID_Y + 3 blocks of 64 rows (4.19 M rows at H = 128): the grid's
+    65535 row blocks stride over the last 3, the last one past the end (untouched).  Rows name
+    65536 tokens at random (a token on many rows, as a row-major gather allows) with ~1/8 of them
+    padding.  Outputs pre-poisoned (a direct call).  GPU memory: codes 0.54 GB, the reference's f32
+    copies of [M_cap, 128] 2.1 GB each, peak ~9 GB; about a second."""
+    hidden, tokens = 128, 65536
+    m_cap, end, row_to_token, offsets = _past_grid_y_maps(RowGroupKernel(2).rows_per_cta, tokens, seed=47)
+    x = random_activations(tokens, hidden, torch.bfloat16, seed=47)
+    a, s = poisoned_outputs(m_cap, hidden)
+    compile_permute_quant(torch.bfloat16, False, arch_of_device(x.device))(x, row_to_token, offsets, a, s)
+    a = a.view(torch.float8_e4m3fn)
+    assert_rows_match(a, s, *permute_quant_ref(x, row_to_token, offsets, None), end)
+    _assert_padding_zero(a, s, row_to_token, offsets, None)
+    assert_past_end_untouched(a, s, end)
 
 
 def test_tokens_cover_both_scale_paths():
@@ -362,7 +432,7 @@ def test_debug_index_checks(monkeypatch):
 
 def _check_permute(a_in, a_in_scale, row_to_token, offsets):
     m_cap, hidden = row_to_token.shape[0], a_in.shape[1]
-    poison_pools(m_cap * hidden + (64 << 20))
+    poison_pools(m_cap * hidden + m_cap * (hidden // 128) * 4 + (64 << 20))  # room for codes and scales
     a, s = permute_cuda(a_in, a_in_scale, row_to_token, offsets)
     assert_rows_match(a, s, *permute_ref(a_in, a_in_scale, row_to_token, offsets), _end(offsets), exact_codes=True)
 
@@ -377,6 +447,34 @@ def test_permute(routing, num_tokens, hidden, column_major):
     x = random_activations(num_tokens, hidden, torch.bfloat16, seed=seed)
     a_in, a_in_scale = quant_fp8_ref(x, 128, None, column_major)
     _check_permute(a_in, a_in_scale, row_to_token, offsets)
+
+
+@pytest.mark.parametrize("column_major", [False, True])
+def test_permute_65536_tokens(column_major):
+    """T = 65536 for one routing and H only (as test_permute_quant_65536_tokens): M_cap = 528,384
+    rows of 4096 codes, 2.16 GB, past 2**31 bytes.  GPU memory: the poisoned block 2.2 GB (the codes
+    out are allocated in it), the reference's gathered copy 2.2 GB, x's f32 draw 1.1 GB (transient);
+    peak ~6 GB, seconds."""
+    offsets, row_to_token = routed_maps(BIG_ROUTING, BIG_TOKENS, seed=65537 + column_major)
+    x = random_activations(BIG_TOKENS, BIG_HIDDEN, torch.bfloat16, seed=65537 + column_major)
+    a_in, a_in_scale = quant_fp8_ref(x, 128, None, column_major)
+    del x
+    _check_permute(a_in, a_in_scale, row_to_token, offsets)
+
+
+def test_permute_more_than_65535_row_blocks():
+    """Row-major FP8 gather, M_cap of MAX_GRID_Y + 3 blocks of 128 rows (8.39 M rows at H = 128):
+    the grid-stride loop covers the last 3 blocks, the last one past the end (untouched); rows name
+    65536 tokens at random, ~1/8 padding (codes 0, scale 1.0).  Outputs pre-poisoned (a direct
+    call).  GPU memory: codes 1.07 GB, the reference's gathered copy 1.07 GB; peak ~3 GB."""
+    hidden, tokens = 128, 65536
+    m_cap, end, row_to_token, offsets = _past_grid_y_maps(RowGroupKernel(1).rows_per_cta, tokens, seed=48)
+    a_in, a_in_scale = quant_fp8_ref(random_activations(tokens, hidden, torch.bfloat16, seed=48))
+    a, s = poisoned_outputs(m_cap, hidden)
+    compile_permute(arch_of_device(a_in.device))(a_in.view(torch.uint8), a_in_scale, row_to_token, offsets, a, s)
+    a = a.view(torch.float8_e4m3fn)
+    assert_rows_match(a, s, *permute_ref(a_in, a_in_scale, row_to_token, offsets), end, exact_codes=True)
+    assert_past_end_untouched(a, s, end)
 
 
 def test_permute_rows_past_end_untouched_and_no_tokens():
