@@ -100,13 +100,13 @@ def _check_config(
     apply_router_weight_on_input: Any,
 ) -> int:
     """Every rule of the layer's configuration, before anything is allocated. Returns E_local."""
-    V.check_int(where, "num_experts", num_experts, min=1)
+    V.check_int(where, "num_experts", num_experts, min=1, max=V.INT32_MAX)  # (the kernels index in int32)
     V.check_routing_config(
         where, num_experts, top_k, routing_method, n_group, topk_group, routed_scaling_factor, has_score_bias,
         "routing_method",
     )  # fmt: skip
     for name, v in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
-        V.check_int(where, name, v, min=1)
+        V.check_int(where, name, v, min=1, max=V.INT32_MAX)
         if v % _B:
             _fail(where, f"{name} must be a multiple of {_B} (the 1x128 FP8 activation groups), got {v}")
     V.check_int(where, "expert_offset", expert_offset, min=0, max=num_experts - 1, max_what="num_experts - 1")
@@ -151,6 +151,13 @@ def _check_score_bias(where: str, score_bias: Any, num_experts: int) -> Optional
     _check_tensor(where, "score_bias", score_bias, _FLOAT_W, (num_experts,), "[num_experts]")
     V.check_bias_values(where, "score_bias", score_bias)
     return score_bias.float()
+
+
+def _check_not_meta(where: str, name: str, t: Tensor, use: str) -> None:
+    """ValueError for a meta tensor where the data is needed (``use``: what for); a meta layer is
+    built with ``FusedMoE(..., device="meta")``."""
+    if t.is_meta:
+        _fail(where, f"{name} is a meta tensor: it has no data to {use}")
 
 
 def _check_block_scales(where: str, name: str, scales: Tensor) -> None:
@@ -451,6 +458,8 @@ class FusedMoE(torch.nn.Module):
             act_scale_fmt=act_scale_fmt, apply_router_weight_on_input=apply_router_weight_on_input, device="meta",
         )  # fmt: skip
         bias = _check_score_bias(where, score_bias, layer.num_experts)
+        if bias is not None and not w13.is_meta:
+            _check_not_meta(where, "score_bias", bias, f"copy to the weights' device ({w13.device})")
         # Detached: the layer is inference-only, and buffers that keep their source's autograd
         # graph (an nn.Parameter's) hold its memory and break copy.deepcopy.
         layer.w13 = w13.detach().contiguous()
@@ -544,6 +553,11 @@ class FusedMoE(torch.nn.Module):
             )
         bias = _check_score_bias(where, score_bias, num_experts)
         dev = V.as_device(where, "device", device) or gate.device
+        if dev.type == "meta":
+            _fail(where, "device is meta: from_bf16 quantizes the weights, which needs their data (a layer "
+                         "without data: FusedMoE(..., device='meta'))")  # fmt: skip
+        if bias is not None:
+            _check_not_meta(where, "score_bias", bias, f"copy to {dev}")
         q13, s13, q2, s2 = _empty_fp8_weights(e_local, H, I, dev)
         gate_rows, up_rows = _half_rows(I, gate_first)
         with torch.no_grad():  # the weights are often nn.Parameters: keep no graph of them
@@ -668,6 +682,8 @@ class FusedMoE(torch.nn.Module):
                 where, repr(sk), s, _HF_SCALE_DTYPES, (_cdiv(n, _B), _cdiv(k, _B)),
                 f"[ceil({what[1]}/128), ceil({what[4]}/128)]",
             )  # fmt: skip
+            for name, t in ((wk, w), (sk, s)):
+                _check_not_meta(where, repr(name), t, "load")
             s = s.float()
             _check_block_scales(where, repr(sk), s)  # (e8m0's 0xFF reads as NaN)
             return w, s
@@ -698,6 +714,7 @@ class FusedMoE(torch.nn.Module):
                 )
             b = src.get(bias_key, "the routing bias")
             _check_tensor(where, repr(bias_key), b, _FLOAT_W, (num_experts,), "[num_experts]")
+            _check_not_meta(where, repr(bias_key), b, "load")
             V.check_bias_values(where, repr(bias_key), b)
             bias = b.float()
         elif routing_method == "deepseek_v3":
@@ -762,6 +779,7 @@ class _Experts:
     def get(self, e: int, shape: tuple[int, int], what: str) -> Tensor:
         t = self.items[e]
         _check_tensor(self.where, f"{self.name}[{e}]", t, _FLOAT_W, shape, what)
+        _check_not_meta(self.where, f"{self.name}[{e}]", t, "quantize")
         return t
 
 

@@ -213,8 +213,10 @@ def dispatch(name: str, *args: Any) -> Any:
         return getattr(torch.ops.cute_moe, name)(*args)
     except RuntimeError as e:
         # What the type check lets through and the schema refuses: a Python int past int64 (or past
-        # a double's range, for a float), which torch reports as "found type 'int'".
-        refused = re.match(rf"cute_moe::{name}\(\) Expected a value of type '(\w+)' for argument '(\w+)'", str(e))
+        # a double's range, for a float), which torch reports as "found type 'int'" (of the type
+        # 'int' or, for an optional argument, 'Optional[int]').
+        refused = re.match(rf"cute_moe::{name}\(\) Expected a value of type '(?:Optional\[)?(\w+)\]?' for argument "
+                           r"'(\w+)'", str(e))  # fmt: skip
         if refused is None:
             raise
         kind, arg = refused.groups()
@@ -253,8 +255,10 @@ def _empty_scales(like: Tensor, rows: Any, cols: Any, mn_major: bool) -> Tensor:
 
 
 def _check_non_decreasing(op: str, name: str, prefix_sums: Tensor) -> Tensor:
-    """ValueError unless ``prefix_sums`` never decreases; returns the lengths it delimits."""
-    lengths = prefix_sums[1:] - prefix_sums[:-1]
+    """ValueError unless ``prefix_sums`` never decreases; returns the lengths it delimits (int64: an
+    int32 difference could wrap and pass a decrease as a length)."""
+    wide = prefix_sums.long()
+    lengths = wide[1:] - wide[:-1]
     if bool((lengths < 0).any()):
         raise ValueError(f"cute_moe.{op}: {name} must be non-decreasing, got {prefix_sums.tolist()[:16]}")
     return lengths

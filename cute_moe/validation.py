@@ -278,15 +278,19 @@ def check_scale_fmt(op: str, name: str, v: Any) -> None:
 
 def as_device(op: str, name: str, v: Any) -> Optional[torch.device]:
     """``v`` (None, a torch.device, a device string or index) as a torch.device, or None; an
-    unknown device string is a ValueError naming ``name``, not torch's bare RuntimeError."""
-    if v is None or isinstance(v, torch.device):
-        return v
-    if not isinstance(v, (str, int)) or isinstance(v, bool):
+    unknown device string, or CUDA where torch has none, is a ValueError naming ``name``, not
+    torch's RuntimeError or AssertionError from the first allocation."""
+    if v is None:
+        return None
+    if not isinstance(v, (torch.device, str, int)) or isinstance(v, bool):
         _fail(op, f"{name} must be None, a torch.device, a str or an int, got {_type_name(v)}", TypeError)
     try:
-        return torch.device(v)
+        device = torch.device(v)
     except RuntimeError as exc:
         _fail(op, f"{name} is not a device: {v!r} ({exc})")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        _fail(op, f"{name} is {v!r}, but this torch has no CUDA device")
+    return device
 
 
 def _tensor(

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from cute_moe.kernels.host_checks import check_rows_16b, debug_check_index_range, empty_mn_major
+from cute_moe.kernels.host_checks import check_index_range, check_rows_16b, debug_check_index_range, empty_mn_major
 
 
 def test_rows_16b_accepts_aligned_rows_and_size_one_dims():
@@ -45,3 +45,13 @@ def test_empty_mn_major_has_the_layout_the_fake_implementations_promise(rows, co
     got = empty_mn_major(rows, cols, torch.device("cpu"))
     want = torch.empty(cols, rows).t()
     assert (got.shape, got.stride(), got.dtype) == (want.shape, want.stride(), want.dtype)
+
+
+def test_index_range_bounds_past_the_dtype_hold_for_every_entry():
+    """An upper bound past int32's range (a tensor of more than 2**31 rows) must not wrap when
+    compared with int32 entries and refuse valid ones."""
+    ids = torch.tensor([[-1, 0], [2**31 - 1, 7]], dtype=torch.int32)
+    check_index_range("op", "ids", ids, -1, 2**31)
+    check_index_range("op", "ids", ids, -(2**40), 2**40)
+    with pytest.raises(ValueError, match=r"ids entries must lie in \[0, 2147483648\), got -1 at \(0, 0\)"):
+        check_index_range("op", "ids", ids, 0, 2**31)

@@ -563,6 +563,18 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"device is not a device: 'nope'"),
         ("hf device", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, device="nope"), ValueError,
          r"device is not a device: 'nope'"),
+        ("E > int32", lambda: ctor(num_experts=2**63), ValueError, r"num_experts must be <= 2147483647"),
+        ("H > int32", lambda: ctor(hidden_size=2**63), ValueError, r"hidden_size must be <= 2147483647"),
+        ("meta bias", lambda: FusedMoE.from_fp8(q13, s13, q2, s2, top_k=2, score_bias=torch.zeros(E, device="meta"),
+                                                **DSV3), ValueError, r"score_bias is a meta tensor"),
+        ("bf16 to meta", lambda: FusedMoE.from_bf16(w13, w2, top_k=2, device="meta"), ValueError,
+         r"device is meta: from_bf16 quantizes"),
+        ("bf16 meta weight", lambda: FusedMoE.from_bf16(w13, w2.to("meta"), top_k=2), ValueError,
+         r"w2\[0\] is a meta tensor: it has no data to quantize"),
+        ("hf meta weight", lambda: FusedMoE.from_hf_fp8(replaced(k_up, sd[k_up].to("meta")), PREFIX, E, TOP_K),
+         ValueError, rf"'{re.escape(k_up)}' is a meta tensor: it has no data to load"),
+        ("hf meta scale", lambda: FusedMoE.from_hf_fp8(replaced(k_down_s, sd[k_down_s].to("meta")), PREFIX, E, TOP_K),
+         ValueError, rf"'{re.escape(k_down_s)}' is a meta tensor"),
         ("weight on input type", lambda: ctor(top_k=1, apply_router_weight_on_input=1), TypeError,
          r"apply_router_weight_on_input must be a bool, got int"),
         ("hf weight on input type",
@@ -710,3 +722,9 @@ def test_torch_compile_fullgraph_dynamic() -> None:
 
 def test_exported_from_package() -> None:
     assert cute_moe.FusedMoE is FusedMoE and "FusedMoE" in cute_moe.__all__
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where torch has no CUDA device")
+def test_cuda_device_without_cuda_is_named() -> None:
+    with pytest.raises(ValueError, match=r"cute_moe\.FusedMoE: device is 'cuda', but this torch has no CUDA device"):
+        FusedMoE(E, TOP_K, H, I, device="cuda")

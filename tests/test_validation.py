@@ -183,6 +183,7 @@ BAD_BY_OP: dict[str, list[Bad]] = {
         ),
     ],
     "align": [
+        (lambda g: {"num_local_experts": 2**63}, ValueError, r"num_local_experts must fit in a 64-bit int"),
         (lambda g: {"topk_ids": None}, TypeError, r"topk_ids must be a torch.Tensor, got NoneType"),
         (lambda g: {"alignment": True}, TypeError, r"alignment must be an int, got bool"),
         (lambda g: {"topk_ids": g["topk_ids"].long()}, TypeError, r"topk_ids must be int32, got torch\.int64"),
@@ -433,6 +434,11 @@ BAD_BY_OP: dict[str, list[Bad]] = {
             lambda g: {"cu_seqlens_q": torch.tensor([0, 3, 2], dtype=I32)},
             ValueError,
             r"cu_seqlens_q must be non-decreasing, got \[0, 3, 2\]",
+        ),
+        (  # a decrease past int32's range: an int32 difference would wrap to a positive length
+            lambda g: {"cu_seqlens_q": torch.tensor([0, 3, -(2**31)], dtype=I32)},
+            ValueError,
+            r"cu_seqlens_q must be non-decreasing",
         ),
         (
             lambda g: {"v_cache": None},
