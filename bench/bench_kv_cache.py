@@ -1,8 +1,9 @@
 """fill_kv_cache_fp8 on the GPU: kernel time (CUDA graph, L2 flushed, median),
 GB/s and share of the copy bandwidth measured in the same run, beside the
-plain-PyTorch implementation (cute_moe.reference.fill_kv_cache_fp8_ref on CUDA).
+plain-PyTorch implementation (cute_moe.reference.fill_kv_cache_fp8_ref on CUDA):
+a table, a JSON file and a PNG.
 
-    python bench/bench_kv_cache.py [--json PATH]
+    python bench/bench_kv_cache.py [--json PATH] [--png PATH] [--sweep]
 
 Bytes counted minimally: read the new K (and V) states once, write their codes
 and f32 scales once.
@@ -23,7 +24,7 @@ from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda  # noqa: E
 from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
-from bench_io import default_json, write_json  # noqa: E402
+from bench_io import default_json, pyplot, write_json  # noqa: E402
 
 CONFIGS = {  # name: heads, head_dim, with_v
     "llama (H_kv=8, D=128, K+V)": (8, 128, True),
@@ -35,12 +36,57 @@ WORKLOADS = {  # name: q_lens, histories
     "prefill 65536": ([8192] * 8, [0] * 8),
 }
 
+TIMINGS = {  # a row's µs field: its line's label and style (cute_moe solid, the plain-PyTorch peer dashed)
+    "us": ("graph replay, L2 flushed", "-"),
+    "eager_us": ("kernel (eager launch), L2 flushed", "-"),
+    "amortized_us": ("amortized (100 calls in a graph, inputs in L2)", "-"),
+    "torch_us": ("plain PyTorch (eager, events)", "--"),
+}
+PCT_TIMINGS = ("us", "eager_us", "torch_us")  # the amortized figure reads from L2: no share of the copy bandwidth
+
+
+def plot(rows: list[dict], path: str, device: str) -> None:
+    """Per config: % of copy (top) and µs (bottom) against the workload's tokens, a timing a line; the
+    plain-PyTorch peer dashed, its % of copy on the same minimal byte count."""
+    plt = pyplot()
+    if plt is None:
+        return
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(2, len(configs), figsize=(7 * len(configs), 9), squeeze=False)
+    for col, config in enumerate(configs):
+        pct, times = axes[0][col], axes[1][col]
+        mine = sorted((r for r in rows if r["config"] == config), key=lambda r: r["tokens"])
+        tokens = [r["tokens"] for r in mine]
+        for i, (key, (label, style)) in enumerate(TIMINGS.items()):
+            line = dict(color=f"C{i}", marker="o", linestyle=style, label=label)
+            if key in PCT_TIMINGS:
+                pct.plot(tokens, [r["pct_copy"] * r["us"] / r[key] for r in mine], **line)
+            times.plot(tokens, [r[key] for r in mine], **line)
+        pct.axhline(100, color="k", linestyle=":", linewidth=1)
+        pct.set_ylabel("% of copy bandwidth (bytes counted minimally)")
+        pct.set_title(config)
+        times.set_ylabel("µs")
+        times.set_yscale("log")
+        for ax in (pct, times):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(tokens)
+            ax.set_xticklabels([f"{r['workload']}\n{r['tokens']} tokens" for r in mine], fontsize=8)
+            ax.minorticks_off()
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"fill_kv_cache_fp8 (block 64, 1x128 groups), {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=default_json("bench_kv_cache.json"))
+    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's tokens-per-warp knob")
     args = parser.parse_args()
+    png = args.png or os.path.splitext(args.json)[0] + ".png"
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []
@@ -91,6 +137,7 @@ def main() -> None:
                                  f"{us:.2f}us/{100 * nbytes / us / 1e3 / copy_gbs:.1f}%")
                 print(f"  {cname:<28} {wname:<14} " + "  ".join(cells))
     write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows})
+    plot(rows, png, torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """quant_fp8 on the GPU: kernel time, bandwidth, share of the measured copy bandwidth,
 the plain-PyTorch composition (cute_moe.reference.quant_fp8_ref on CUDA tensors) in
-the same run, and the eager host overhead per call.
+the same run, and the eager host overhead per call: a table, a JSON file and a PNG.
 
-    python bench/bench_quant_fp8.py [--json PATH]
+    python bench/bench_quant_fp8.py [--json PATH] [--png PATH]
 
 Bytes counted minimally: read x once, write the codes and the f32 scales once.
 """
@@ -20,16 +20,47 @@ from cute_moe.compiler import arch_of_device  # noqa: E402
 from cute_moe.kernels.quant_fp8 import compile_quant_fp8, quant_fp8_cuda  # noqa: E402
 from cute_moe.reference import quant_fp8_ref  # noqa: E402
 from cute_moe.timing import Timer, host_us_per_call  # noqa: E402
-from bench_io import default_json, write_json  # noqa: E402
+from bench_io import default_json, pyplot, write_json  # noqa: E402
 
 H = 7168
 TOKENS = (1, 128, 4096, 16384)
 
 
+def plot(rows: list[dict], path: str, device: str) -> None:
+    """% of copy (left) and µs (right) against T: a scale format a colour, cute_moe solid, the plain-PyTorch
+    composition dashed (its % of copy on the same minimal byte count)."""
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, (pct, times) = plt.subplots(1, 2, figsize=(13, 5))
+    for i, fmt in enumerate(dict.fromkeys(r["scale_fmt"] for r in rows)):
+        mine = sorted((r for r in rows if r["scale_fmt"] == fmt), key=lambda r: r["T"])
+        t = [r["T"] for r in mine]
+        for key, name, style in (("us", "cute_moe", "-"), ("torch_us", "plain PyTorch", "--")):
+            line = dict(color=f"C{i}", marker="o^"[i % 2], linestyle=style, label=f"{name}, scales {fmt}")
+            pct.plot(t, [r["pct_copy"] * r["us"] / r[key] for r in mine], **line)
+            times.plot(t, [r[key] for r in mine], **line)
+    pct.axhline(100, color="k", linestyle=":", linewidth=1)
+    pct.set_ylabel("% of copy bandwidth (bytes counted minimally)")
+    times.set_ylabel("µs (one graph replay, L2 flushed)")
+    times.set_yscale("log")
+    for ax in (pct, times):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(f"tokens T (H={H})")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"quant_fp8 (1x128 groups), {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--json", default=default_json("bench_quant_fp8.json"))
+    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
     args = parser.parse_args()
+    png = args.png or os.path.splitext(args.json)[0] + ".png"
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []
@@ -69,6 +100,7 @@ def main() -> None:
     }
     print("host overhead per eager call, T=1:  " + ";  ".join(f"{k} {v:.1f} us" for k, v in host.items()))
     write_json(args.json, {"device": torch.cuda.get_device_name(), "copy_gbs": copy_gbs, "rows": rows, "host_us": host})
+    plot(rows, png, torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """bench/*.py's CPU-side parts: the byte counts (checked against the tensors the references read and
 write), bench_small_kernels' cases run once each on the CPU (a dry run with a stand-in timer: every
-call, argument list and row field, not a timing), its op selection, table, JSON and plot, and
-bench_host_overhead's cases and rows.  What the GPU measures is not checked here."""
+call, argument list and row field, not a timing), its op selection, table, JSON and plot,
+bench_host_overhead's cases and rows, and bench_quant_fp8's and bench_kv_cache's plots (of made-up
+rows).  What the GPU measures is not checked here."""
 import json
 import os
 import sys
@@ -244,3 +245,38 @@ def test_host_overhead_rows(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[2].split()[:2] == ["fused_moe_routed", "(small)"] and out[2].endswith("(GPU-bound)")
     json.dumps(rows)
+
+
+# ----------------------------------------------------------------------------- bench_quant_fp8, bench_kv_cache plots
+
+
+def _quant_rows():
+    """bench_quant_fp8's rows, made up: the ue8m0 kernel 3% slower than the plain one."""
+    return [{"T": t, "H": 7168, "scale_fmt": fmt, "us": (2.0 + t / 200) * slower, "gbs": 1.0,
+             "pct_copy": min(90.0, 0.5 * t) / slower, "torch_us": 30.0 + t / 20}
+            for fmt, slower in (("none", 1.0), ("ue8m0", 1.03)) for t in (1, 128, 4096, 16384)]  # fmt: skip
+
+
+def _kv_rows():
+    """bench_kv_cache's rows, made up."""
+    workloads = (("decode B=64", 64), ("prefill 4096", 4096), ("prefill 65536", 65536))
+    return [{"config": config, "workload": workload, "tokens": n, "us": 3.0 + n / 1000, "gbs": 1.0,
+             "pct_copy": min(95.0, n / 100), "torch_us": 200.0 + n / 10, "eager_us": 2.0 + n / 1000,
+             "eager_pct_copy": 1.0, "amortized_us": 1.0 + n / 1200}
+            for config in ("llama", "mla") for workload, n in workloads]  # fmt: skip
+
+
+@pytest.mark.parametrize("script, rows", [("bench_quant_fp8", _quant_rows), ("bench_kv_cache", _kv_rows)])
+def test_quant_and_kv_cache_plots(script, rows, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / f"{script}.png"
+    __import__(script).plot(rows(), str(path), "cpu")
+    assert path.stat().st_size > 0
+
+
+def test_quant_and_kv_cache_help_offers_png(monkeypatch, capsys):
+    for script in ("bench_quant_fp8", "bench_kv_cache"):
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+        with pytest.raises(SystemExit) as stop:
+            __import__(script).main()
+        assert stop.value.code == 0 and "--png" in capsys.readouterr().out
