@@ -40,8 +40,11 @@ time of 100 back-to-back calls in one CUDA graph (``Timer.graph_amortized_us``; 
 stay in L2): for route and align at every T (issue 5's route target is on this figure) and for
 the other ops at T <= 16, where one cold replay's few-µs floor hides the kernel.  ``torch us``:
 the plain composition, a CUDA-graph replay where it can be captured, else eager calls between
-events (``Timer.time_us``; align_ref syncs on the host: eager), median of 20.  A call that fails
-leaves its cells empty and says why in the row's note; the bench goes on.
+events (``Timer.time_us``: a composition that syncs with the host, as align_ref does, is timed
+eagerly without a capture being tried; a capture that a sync invalidates can leave torch 2.11's
+allocator unusable for the rest of the process), median of 20.  A call that fails leaves its cells
+empty and says why in the row's note; the bench goes on, and the JSON is rewritten after each
+(model, T).  ``CUTE_MOE_DEBUG`` is unset for the run (its checks sync the host).
 
 Bytes counted minimally (read + written by the op's semantics; padding rows not counted):
 
@@ -325,6 +328,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     tokens = parse_tokens(args.tokens, TOKENS)
     if not torch.cuda.is_available():
         raise SystemExit("bench_small_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    if os.environ.pop("CUTE_MOE_DEBUG", None) is not None:  # its checks sync the host: nothing could be captured
+        print("bench_small_kernels: CUTE_MOE_DEBUG unset for this run (its index checks sync the host)")
 
     t0 = time.monotonic()
     timer = Timer()
@@ -340,6 +345,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                 continue
             rows += bench_point(timer, model, t, ops, copy_gbs)
             print(f"  {model} T={t}: done at {time.monotonic() - t0:.0f} s", flush=True)
+            # Written as it goes: a failure at a later point keeps the rows measured before it.
+            write_json(args.json, {"device": device, "torch": torch.__version__, "copy_gbs": copy_gbs,
+                                   "write_gbs": write_gbs, "rows": rows})  # fmt: skip
     print(f"device: {device}   torch {torch.__version__}   copy bandwidth (read+write): {copy_gbs:.0f} GB/s   "
           f"write-only (fill): {write_gbs:.0f} GB/s = {100 * write_gbs / copy_gbs:.1f}% of copy")
     print_table(rows)

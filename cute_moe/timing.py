@@ -11,6 +11,19 @@ _L2_FLUSH_BYTES = 256 << 20  # > 4x the H200's 60 MB L2
 _HOST_ENQUEUE_CYCLES = 200_000  # ~100 µs of GPU busy-wait: more than any eager call's host time
 
 
+def run_without_host_sync(fn) -> None:
+    """fn() once, RuntimeError if it synchronizes with the host (``.item()``, ``bool(tensor)``, a
+    blocking copy to the CPU), before anything tries to capture it: a capture that such a call
+    invalidates can leave torch's caching allocator believing a capture is still under way (torch
+    2.11), and every later ``empty_cache`` or capture in the process then fails."""
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+
+
 class Timer:
     def __init__(self):
         self._flush = torch.empty(_L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
@@ -38,8 +51,9 @@ class Timer:
         return 1e3 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
     def graph_us(self, fn, reps: int = 100) -> float:
-        """Median device time of fn() captured in a CUDA graph (no gaps between its kernels), L2 flushed."""
-        fn()
+        """Median device time of fn() captured in a CUDA graph (no gaps between its kernels), L2 flushed.
+        RuntimeError, before any capture, if fn synchronizes with the host (``run_without_host_sync``)."""
+        run_without_host_sync(fn)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -47,10 +61,16 @@ class Timer:
         return self.kernel_us(graph.replay, reps)
 
     def time_us(self, fn, reps: int = 100) -> tuple[float, str]:
-        """(µs, "graph") when fn can be captured in a CUDA graph, else (µs of eager runs, "eager")."""
+        """(µs, "graph") when fn can be captured in a CUDA graph, else (µs of eager runs, "eager"): a
+        function that synchronizes with the host is timed eagerly without a capture being tried."""
+        try:
+            run_without_host_sync(fn)
+        except RuntimeError:
+            torch.cuda.synchronize()
+            return self.kernel_us(fn, reps), "eager"
         try:
             return self.graph_us(fn, reps), "graph"
-        except Exception:  # noqa: BLE001 (capture refused, e.g. a host sync inside fn)
+        except Exception:  # noqa: BLE001 (capture refused for another reason)
             torch.cuda.synchronize()
             return self.kernel_us(fn, reps), "eager"
 
@@ -60,7 +80,7 @@ class Timer:
         For microsecond kernels, where one graph launch's own overhead (a few µs) would
         dominate ``graph_us``; inputs that fit in L2 stay there, as in a decode step.
         """
-        fn()
+        run_without_host_sync(fn)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
