@@ -789,6 +789,9 @@ class _TensorSource:
     def __init__(self, where: str, checkpoint: Any, device: Optional[Union[torch.device, str]]) -> None:
         self.where = where
         self.device = V.as_device(where, "device", device)
+        if self.device is not None and self.device.type == "meta":
+            _fail(where, "device is meta: from_hf_fp8 loads the checkpoint's data (a layer without data: "
+                         "FusedMoE(..., device='meta'))")  # fmt: skip
         self.what = "state_dict"
         self._dict: Optional[Mapping[str, Any]] = None
         self._files: dict[str, list[str]] = {}  # key -> the files holding it (the index's one file, if any)

@@ -18,12 +18,13 @@ Each op has
 that composes the other ops (through ``call``: eagerly on CUDA the kernels'
 implementations directly, otherwise the ops), so they run on every device.
 
-Validation only reads metadata (never tensor data; the CPU implementations check their
-index data, ``check_index_range``, and the CUDA ones too under ``CUTE_MOE_DEBUG=1``).  The
-fake implementations check that all tensors share a device (``check_same_device``: a call mixing
-meta and real tensors must raise, not return empty memory) and the scalars their output shapes
-are computed from (a bad ``group_size`` or ``top_k`` must raise, not give a shape).  Importing this module neither imports ``cutlass``
-nor initialises CUDA: kernels are imported lazily inside the CUDA implementations.
+Validation only reads metadata (never tensor data; the CPU implementations check the index data
+they would index out of range with, ``check_index_range``, and the CUDA ones too under
+``CUTE_MOE_DEBUG=1``).  The fake implementations check that all tensors share a device
+(``check_same_device``: a call mixing meta and real tensors must raise, not return empty memory)
+and the scalars their output shapes are computed from (a bad ``group_size`` or ``top_k`` must
+raise, not give a shape).  Importing this module neither imports ``cutlass`` nor initialises
+CUDA: kernels are imported lazily inside the CUDA implementations.
 """
 
 from __future__ import annotations

@@ -181,6 +181,9 @@ def dequant_block_128x128_ref(q: torch.Tensor, scale: torch.Tensor) -> torch.Ten
     """Inverse of quant_block_128x128_ref: f32 [.., N, K] = f32(q) * block scale."""
     *lead, N, K = q.shape
     if N % BLOCK == 0 and K % BLOCK == 0:  # whole blocks: the scales broadcast, never expanded
+        if tuple(scale.shape[-2:]) != (N // BLOCK, K // BLOCK):
+            raise ValueError(f"dequant_block_128x128_ref: scale must be [..., N/128, K/128] = [..., {N // BLOCK}, "
+                             f"{K // BLOCK}] for q [..., {N}, {K}], got {list(scale.shape)}")  # fmt: skip
         blocks = q.float().reshape(*lead, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
         return (blocks * scale.float()[..., :, None, :, None]).reshape(*lead, N, K)
     s = scale.float().repeat_interleave(BLOCK, dim=-2)[..., :N, :].repeat_interleave(BLOCK, dim=-1)

@@ -285,7 +285,7 @@ def as_device(op: str, name: str, v: Any) -> Optional[torch.device]:
     if not isinstance(v, (torch.device, str, int)) or isinstance(v, bool):
         _fail(op, f"{name} must be None, a torch.device, a str or an int, got {_type_name(v)}", TypeError)
     try:
-        device = torch.device(v)
+        device = torch.device("cuda", v) if isinstance(v, int) else torch.device(v)  # an index: a CUDA device's
     except RuntimeError as exc:
         _fail(op, f"{name} is not a device: {v!r} ({exc})")
     if device.type == "cuda" and not torch.cuda.is_available():

@@ -573,6 +573,8 @@ def _bad_calls() -> list[tuple[str, Callable[[], Any], type[Exception], str]]:
          r"w2\[0\] is a meta tensor: it has no data to quantize"),
         ("hf meta weight", lambda: FusedMoE.from_hf_fp8(replaced(k_up, sd[k_up].to("meta")), PREFIX, E, TOP_K),
          ValueError, rf"'{re.escape(k_up)}' is a meta tensor: it has no data to load"),
+        ("hf to meta", lambda: FusedMoE.from_hf_fp8(sd, PREFIX, E, TOP_K, device="meta"), ValueError,
+         r"device is meta: from_hf_fp8 loads the checkpoint's data"),
         ("hf meta scale", lambda: FusedMoE.from_hf_fp8(replaced(k_down_s, sd[k_down_s].to("meta")), PREFIX, E, TOP_K),
          ValueError, rf"'{re.escape(k_down_s)}' is a meta tensor"),
         ("weight on input type", lambda: ctor(top_k=1, apply_router_weight_on_input=1), TypeError,

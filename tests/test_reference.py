@@ -192,6 +192,19 @@ def test_block_128x128_vs_naive():
         R.quant_block_128x128_ref(torch.ones(4, 100))
 
 
+def test_dequant_block_128x128_whole_blocks():
+    """Whole 128 x 128 blocks (the scales broadcast): every element is its code times its block's
+    scale, as with expanded scales (N = 200 above takes the expanding path), batched and on a
+    transposed view; scales of the wrong shape are refused, not broadcast."""
+    w = randn(3, 256, 384, seed=7, dtype=torch.float32, scale=0.05)
+    q, s = R.quant_block_128x128_ref(w)
+    want = q.float() * s.repeat_interleave(128, 1).repeat_interleave(128, 2)
+    assert torch.equal(R.dequant_block_128x128_ref(q, s), want)
+    assert torch.equal(R.dequant_block_128x128_ref(q[1].t(), s[1].t()), want[1].t())
+    with pytest.raises(ValueError, match=r"scale must be \[\.\.\., N/128, K/128\] = \[\.\.\., 2, 3\]"):
+        R.dequant_block_128x128_ref(q, s[:, :1])
+
+
 # ----------------------------------------------------------------------------- route
 
 

@@ -5,9 +5,10 @@ Allocations pass sizes as separate ints, never a shape tuple: on the H200 machin
 ``torch.empty((m, n), ...)`` takes 3.5 µs and ``torch.empty(m, n, ...)`` 1.9 µs.
 
 The op layer (``cute_moe.validation``) owns the contract's rules; these are the kernels'
-own: the 16-byte rows their vector loads need, and the index ranges (always on the CPU, where
-the references would index out of range; on the GPU in debug mode only, where the kernels would
-skip such entries silently).
+own: the 16-byte rows their vector loads need, and the index ranges (on the CPU where the
+references would index out of range with them; on the GPU in debug mode only, where the kernels
+skip such entries; fill_kv_cache_fp8's block ids, which its reference skips too, in debug mode
+only on either).
 """
 from __future__ import annotations
 
