@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cute_moe.reference import align_ref, dequant_block_128x128_ref  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
-from bench_io import default_json, pyplot, write_json  # noqa: E402
+from bench_io import add_output_args, png_path, pyplot, save_figure, write_json  # noqa: E402
 
 BLOCK = 128
 FP8 = torch.float8_e4m3fn
@@ -401,16 +401,12 @@ def plot(rows: list[dict], copy_gbs: float, path: str) -> None:
         ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
         ax.set_ylabel(ylabel)
         ax.legend(fontsize=8)
-    fig.suptitle(f"grouped FP8 GEMM, {torch.cuda.get_device_name()}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
+    save_figure(fig, f"grouped FP8 GEMM, {torch.cuda.get_device_name()}", path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", default=default_json("bench_grouped_gemm.json"))
-    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+    add_output_args(parser, "bench_grouped_gemm.json")
     parser.add_argument("--no-kernel", action="store_true", help="bench only the torch peers (no cute_moe kernel)")
     parser.add_argument("--no-promotion", action="store_true",
                         help="also run cute_moe's kernel with the block scales dropped (same tiles)")
@@ -419,7 +415,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, help="only shapes whose name contains this substring")
     parser.add_argument("--reps", type=int, default=100)
     args = parser.parse_args()
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    png = png_path(args)
 
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()

@@ -17,6 +17,25 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=1)
 
 
+def add_output_args(parser, json_name: str) -> None:
+    """A bench's ``--json`` (default ``default_json(json_name)``) and ``--png`` flags."""
+    parser.add_argument("--json", default=default_json(json_name))
+    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+
+
+def png_path(args) -> str:
+    """``--png``, or the JSON path with .png."""
+    return args.png or os.path.splitext(args.json)[0] + ".png"
+
+
+def save_figure(fig, title: str, path: str) -> None:
+    """The plot's title, layout and PNG file."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
 def pyplot():
     """``matplotlib.pyplot`` drawing to files (the Agg backend: no display on the device machine), or
     None, said on stdout, where matplotlib is not installed: a bench never stops for its plot."""

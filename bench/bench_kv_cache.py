@@ -24,7 +24,7 @@ from cute_moe.kernels.fill_kv_cache_fp8 import fill_kv_cache_fp8_cuda  # noqa: E
 from cute_moe.reference import fill_kv_cache_fp8_ref  # noqa: E402
 from tests.kv_cases import make_kv_case  # noqa: E402
 from cute_moe.timing import Timer  # noqa: E402
-from bench_io import default_json, pyplot, write_json  # noqa: E402
+from bench_io import add_output_args, png_path, pyplot, save_figure, write_json  # noqa: E402
 
 CONFIGS = {  # name: heads, head_dim, with_v
     "llama (H_kv=8, D=128, K+V)": (8, 128, True),
@@ -74,19 +74,15 @@ def plot(rows: list[dict], path: str, device: str) -> None:
             ax.minorticks_off()
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle(f"fill_kv_cache_fp8 (block 64, 1x128 groups), {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, f"fill_kv_cache_fp8 (block 64, 1x128 groups), {device}", path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=default_json("bench_kv_cache.json"))
-    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+    add_output_args(parser, "bench_kv_cache.json")
     parser.add_argument("--sweep", action="store_true", help="also sweep the kernel's tokens-per-warp knob")
     args = parser.parse_args()
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    png = png_path(args)
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []

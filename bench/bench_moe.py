@@ -62,7 +62,7 @@ sys.path.insert(0, _HERE)
 if os.path.dirname(_HERE) not in sys.path:  # a checkout without pip install -e
     sys.path.insert(1, os.path.dirname(_HERE))
 from bench_grouped_gemm import _rand_fp8, _rand_scales, _rel_l2, seed_from  # noqa: E402
-from bench_io import default_json, parse_tokens, pyplot, write_json  # noqa: E402
+from bench_io import add_output_args, parse_tokens, png_path, pyplot, save_figure, write_json  # noqa: E402
 from cute_moe.reference import dequant_block_128x128_ref  # noqa: E402
 
 BLOCK = 128
@@ -445,25 +445,21 @@ def plot(rows: list[dict], copy_gbs: float, path: str, device: str) -> None:
         ax.set_title("roofline", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"MoE layer (routed experts), {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, f"MoE layer (routed experts), {device}", path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="models: " + ", ".join(m.name for m in MODELS))  # fmt: skip
-    parser.add_argument("--json", default=default_json("bench_moe.json"))
-    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+    add_output_args(parser, "bench_moe.json")
     parser.add_argument("--only", default=None, help="only models whose name contains this substring (case-insensitive)")
     parser.add_argument("--tokens", default=None, help=f"comma-separated T values (default {','.join(map(str, TOKENS))})")
     parser.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ", ".join(IMPLS))
     parser.add_argument("--reps", type=int, default=50, help="timed replays per row (median)")
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-time budget; later rows are skipped")
     args = parser.parse_args(argv)
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    png = png_path(args)
     tokens = parse_tokens(args.tokens, TOKENS)
     wanted = [i.strip() for i in args.impls.split(",") if i.strip()]
     if bad := [i for i in wanted if i not in IMPLS]:

@@ -20,7 +20,7 @@ from cute_moe.compiler import arch_of_device  # noqa: E402
 from cute_moe.kernels.quant_fp8 import compile_quant_fp8, quant_fp8_cuda  # noqa: E402
 from cute_moe.reference import quant_fp8_ref  # noqa: E402
 from cute_moe.timing import Timer, host_us_per_call  # noqa: E402
-from bench_io import default_json, pyplot, write_json  # noqa: E402
+from bench_io import add_output_args, png_path, pyplot, save_figure, write_json  # noqa: E402
 
 H = 7168
 TOKENS = (1, 128, 4096, 16384)
@@ -49,18 +49,14 @@ def plot(rows: list[dict], path: str, device: str) -> None:
         ax.set_xlabel(f"tokens T (H={H})")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"quant_fp8 (1x128 groups), {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, f"quant_fp8 (1x128 groups), {device}", path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--json", default=default_json("bench_quant_fp8.json"))
-    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+    add_output_args(parser, "bench_quant_fp8.json")
     args = parser.parse_args()
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    png = png_path(args)
     timer = Timer()
     copy_gbs = timer.copy_bandwidth_gbs()
     rows = []

@@ -80,7 +80,7 @@ from cute_moe.reference import permute_quant_ref, permute_ref, silu_mul_quant_re
 from cute_moe.timing import Timer  # noqa: E402
 from bench_finalize import finalize_case, moe_reduce_cases, random_routing  # noqa: E402
 from bench_grouped_gemm import seed_from  # noqa: E402
-from bench_io import default_json, parse_tokens, pyplot, write_json  # noqa: E402
+from bench_io import add_output_args, parse_tokens, png_path, pyplot, save_figure, write_json  # noqa: E402
 from bench_moe import _fmt_exc  # noqa: E402
 from bench_route import MODELS as ROUTING, TOKENS, route_align_cases  # noqa: E402
 
@@ -299,18 +299,14 @@ def plot(rows: list[dict], path: str, device: str) -> None:
             ax.set_xlabel("tokens T")
             ax.grid(True, which="both", alpha=0.3)
         top.set_title(f"{model} (H={MODELS[model]['H']}, E={MODELS[model]['E']}, top-{MODELS[model]['k']})")
-    fig.suptitle(f"small MoE kernels, {device}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"plot: {path}")
+    save_figure(fig, f"small MoE kernels, {device}", path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="ops: " + ", ".join(OPS))  # fmt: skip
-    parser.add_argument("--json", default=default_json("bench_small_kernels.json"))
-    parser.add_argument("--png", default=None, help="default: the JSON path with .png")
+    add_output_args(parser, "bench_small_kernels.json")
     parser.add_argument("--only", default=None, help="only ops whose name contains one of these comma-separated "
                         "substrings (case-insensitive)")  # fmt: skip
     parser.add_argument("--model", default=None, help="only models whose name contains this substring "
@@ -319,7 +315,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help=f"comma-separated T values (default {','.join(map(str, TOKENS))})")
     parser.add_argument("--budget-s", type=float, default=480.0, help="wall-time budget; later (model, T) are skipped")
     args = parser.parse_args(argv)
-    png = args.png or os.path.splitext(args.json)[0] + ".png"
+    png = png_path(args)
     ops, models = select(OPS, args.only), select(MODELS, args.model)
     if not ops:
         raise SystemExit(f"--only {args.only!r} matches no op ({', '.join(OPS)})")

@@ -16,8 +16,9 @@ N_tok``, ...) cannot be checked here; the ops document them instead.
 
 The checks are meant for real tensors; the ops call them from their CPU and
 CUDA implementations.  The fake (meta) implementations run ``check_same_device``
-and the checks of the scalars their output shapes are computed from.  A few rules that only the GPU kernels impose are checked here too, before
-anything launches, with ``NotImplementedError`` (top_k > 32 in ``fused_moe_routed``).
+and the checks of the scalars their output shapes are computed from.  A few rules
+that only the GPU kernels impose are checked here too, before anything launches,
+with ``NotImplementedError`` (top_k > 32 in ``fused_moe_routed``).
 """
 
 from __future__ import annotations

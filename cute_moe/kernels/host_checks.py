@@ -51,13 +51,9 @@ def check_index_range(op: str, name: str, t: torch.Tensor | None, lo: int, hi: i
     reads ``t``: on a GPU a device sync, so the CUDA paths call it only under ``debug_checks``."""
     if t is None or not t.numel():
         return
-    # A bound past the dtype's range holds for every entry (and would wrap if compared in it).
+    # Bounds clamped into the dtype's range (compared in it, one past the range would wrap).
     info = torch.iinfo(t.dtype)
-    bad = torch.zeros_like(t, dtype=torch.bool)
-    if lo > info.min:
-        bad |= t < lo
-    if hi <= info.max:
-        bad |= t >= hi
+    bad = (t < max(lo, info.min)) | (t > min(hi - 1, info.max))
     if bool(bad.any()):
         at = tuple(bad.nonzero()[0].tolist())
         raise ValueError(f"cute_moe.{op}: {name} entries must lie in [{lo}, {hi}), got {int(t[at])} at {at}")
